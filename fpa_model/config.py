@@ -1,0 +1,71 @@
+"""Typed model configuration (the `model:` section of a run config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_KINDS = ("fpa", "fox", "softmax")
+FIELD_MODES = ("walk", "gate", "direct")
+ATTENTION_IMPLS = ("auto", "naive", "chunked", "triton")
+
+
+@dataclass
+class AttentionConfig:
+    kind: str = "fpa"  # fpa | fox | softmax: the ablation axis
+    field: str = "walk"  # walk | gate | direct: how the FPA field phi is parametrized
+    impl: str = "auto"  # auto (triton on CUDA, chunked on CPU) | naive | chunked | triton
+    block_size: int = 64  # tile size of the chunked path
+    output_gate: bool = False  # FoX "Pro": sigmoid gate on the attention output
+    qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
+    rope: bool | None = None  # None: on for softmax only (fpa/fox get position from the field)
+    rope_theta: float = 10000.0
+    # Init of the per-head field bias c_h: the increments start slightly negative so a fresh model
+    # behaves like FoX with its usual forget-gate init. Heads are spread between the two values.
+    field_bias_init: list[float] = dataclasses.field(default_factory=lambda: [-0.2, -0.02])
+
+    def __post_init__(self) -> None:
+        _check_choice("model.attention.kind", self.kind, ATTENTION_KINDS)
+        _check_choice("model.attention.field", self.field, FIELD_MODES)
+        _check_choice("model.attention.impl", self.impl, ATTENTION_IMPLS)
+        if self.block_size < 1:
+            raise ValueError(f"model.attention.block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def use_rope(self) -> bool:
+        return self.kind == "softmax" if self.rope is None else self.rope
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int | None = None  # None: taken from the prepared data's tokenizer
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    mlp_hidden: int | None = None  # None: SwiGLU width 8/3 * d_model rounded up to a multiple of 64
+    max_seq_len: int = 4096  # only bounds RoPE tables and decode buffers
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return ((8 * self.d_model // 3) + 63) // 64 * 64
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(choices)}; got {value!r}")

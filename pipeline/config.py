@@ -1,0 +1,312 @@
+"""Run configuration: OmegaConf YAML files + CLI dotlist overrides merged into typed dataclasses.
+
+Every YAML file and every override is merged one at a time onto the typed schema, so an unknown key, a
+wrong type or a bad value is reported with the key, where it came from, and a did-you-mean hint.
+Derived values (global batch, tokens per step) are computed and checked in one place: `derive()`.
+A YAML file may name files to merge before itself with `base: [relative/path.yaml, ...]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from data_prep.config import DataConfig
+from fpa_model.config import ModelConfig
+
+
+class ConfigError(Exception):
+    """A configuration problem, reported to the user as one line."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints (0: only at the end)
+    keep_last: int = 3
+    resume: str = "auto"  # auto (latest good checkpoint in the run dir) | none | <path to a checkpoint dir>
+
+
+@dataclass
+class TrainConfig:
+    micro_batch: int = 8  # sequences per rank per micro step
+    grad_accum: int = 1
+    max_steps: int = 200
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    precision: str = "fp32"  # fp32 | bf16
+    nan_policy: str = "skip"  # skip (drop the step, record it) | stop
+    max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss
+    log_every: int = 10
+    val_every: int = 50
+    val_batches: int = 8
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"train.precision must be fp32 or bf16; got {self.precision!r}")
+        if self.nan_policy not in ("skip", "stop"):
+            raise ValueError(f"train.nan_policy must be skip or stop; got {self.nan_policy!r}")
+        for key in ("micro_batch", "grad_accum", "max_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1; got {getattr(self, key)}")
+
+
+@dataclass
+class ParallelConfig:
+    sequence: int = 1  # sequence-parallel degree (ranks sharing one sequence)
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+
+    def __post_init__(self) -> None:
+        if self.sequence < 1:
+            raise ValueError(f"parallel.sequence must be >= 1; got {self.sequence}")
+
+
+@dataclass
+class PasskeyConfig:
+    length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4, 8])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials: int = 5
+    digits: int = 5
+
+
+@dataclass
+class CacheConfig:
+    evict: bool = True
+    delta: float | None = None  # None: the sound bound 2 max|q| max|k| scale + log N + margin
+    margin: float = 2.0
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str | None = None  # None: the run's latest checkpoint / export
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    ppl_length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4])
+    ppl_bucket: int = 64
+    ppl_sequences: int = 8
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "fpa-pretrain"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    progress: bool = True  # console progress bars
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.wandb_mode must be offline, online or disabled; got {self.wandb_mode!r}")
+
+
+@dataclass
+class SlurmConfig:
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    nodes: int = 1
+    tasks_per_node: int = 1  # one torchrun per node; it starts gpus_per_node (or nproc) workers
+    gpus_per_node: int = 0
+    nproc_per_node: int = 1  # workers per node when gpus_per_node == 0 (CPU runs)
+    cpus_per_task: int = 2
+    mem: str | None = None
+    time: str = "01:00:00"
+    signal_seconds: int = 120  # --signal=USR1@N: time to checkpoint before the limit
+    extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH" options, as "--key=value"
+    env_setup: str = ""  # shell lines run before training (module load, venv activate)
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    seed: int = 1234
+    runs_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.name
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data.out_dir) if self.data.out_dir else self.run_dir / "data"
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values that follow from the config and the world size, computed once here."""
+
+    world_size: int
+    sequence_parallel: int
+    data_parallel: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    tokens_per_step: int
+
+
+def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
+    sp = cfg.parallel.sequence
+    if world_size % sp:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.sequence={sp}"
+        )
+    dp = world_size // sp
+    if sp > 1 and cfg.data.seq_len % sp:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}")
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp
+    return Derived(
+        world_size=world_size,
+        sequence_parallel=sp,
+        data_parallel=dp,
+        micro_batch=cfg.train.micro_batch,
+        grad_accum=cfg.train.grad_accum,
+        global_batch=global_batch,
+        seq_len=cfg.data.seq_len,
+        tokens_per_step=global_batch * cfg.data.seq_len,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _schema_keys(schema: Any, dotted: str) -> list[str]:
+    """The valid keys at the parent of a dotted key, for did-you-mean hints."""
+    node: Any = RunConfig
+    for part in dotted.split(".")[:-1]:
+        if not dataclasses.is_dataclass(node):
+            return []
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return []
+        node = _field_type(node, part)
+    if not dataclasses.is_dataclass(node):
+        return []
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def _field_type(cls: Any, name: str) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    tp = hints[name]
+    for arg in typing.get_args(tp) or (tp,):  # Optional[X] -> X
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return tp
+
+
+def _hint(key: str) -> str:
+    leaf = key.split(".")[-1]
+    close = difflib.get_close_matches(leaf, _schema_keys(RunConfig, key), n=1)
+    if close:
+        parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        return f" (did you mean '{parent}{close[0]}'?)"
+    return ""
+
+
+def _describe(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError | ConfigAttributeError):
+        return ConfigError(f"unknown config key '{key}' in {origin}{_hint(key)}")
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(f"missing required value '{key}' in {origin}")
+    if isinstance(err, ValidationError):
+        msg = str(err).splitlines()[0]
+        return ConfigError(f"bad value for '{key}' in {origin}: {msg}")
+    return ConfigError(f"{origin}: {str(err).splitlines()[0]}")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig, str]]:
+    """A YAML file and the files it names under `base:`, in merge order, each with its origin."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {path} includes itself through 'base:'")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # yaml errors carry multi-line context; keep the first line
+        raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    out: list[tuple[DictConfig, str]] = []
+    bases = node.pop("base", None)
+    if bases is not None:
+        bases = [bases] if isinstance(bases, str) else list(bases)
+        for b in bases:
+            out += _read_yaml(path.parent / str(b), (*seen, path.resolve()))
+    out.append((node, str(path)))
+    return out
+
+
+def load_config(paths: list[str | Path] | tuple[str | Path, ...] = (), overrides: list[str] = ()) -> RunConfig:
+    """Merge YAML files then `key=value` overrides onto the typed schema; return the typed config."""
+    merged = OmegaConf.structured(RunConfig)
+    layers: list[tuple[Any, str]] = []
+    for p in paths:
+        layers += _read_yaml(Path(p))
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+        try:
+            layers.append((OmegaConf.from_dotlist([ov]), f"override '{ov}'"))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"cannot parse override {ov!r}: {str(e).splitlines()[0]}") from None
+    for node, origin in layers:
+        try:
+            merged = OmegaConf.merge(merged, node)
+        except OmegaConfBaseException as e:
+            raise _describe(e, origin) from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except MissingMandatoryValue as e:
+        raise _describe(e, "the merged config") from None
+    except OmegaConfBaseException as e:
+        # __post_init__ checks raise ValueError, which OmegaConf wraps.
+        cause = e.__cause__ or e
+        raise ConfigError(str(cause).splitlines()[0]) from None
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    assert isinstance(cfg, RunConfig)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml_text(text: str) -> RunConfig:
+    """Rebuild a typed config from a resolved YAML (as saved in run dirs and checkpoints)."""
+    node = OmegaConf.create(text)
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), node)
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, RunConfig)
+    return cfg
