@@ -23,11 +23,18 @@ class AttentionConfig:
     # Init of the per-head field bias c_h: the increments start slightly negative so a fresh model
     # behaves like FoX with its usual forget-gate init. Heads are spread between the two values.
     field_bias_init: list[float] = dataclasses.field(default_factory=lambda: [-0.2, -0.02])
+    # Init std of the field weights w_h. 0: every increment starts at c_h, so an fpa head starts as an
+    # exact FoX head with constant decay (the weights still get gradients and move away from 0).
+    field_weight_std: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("model.attention.kind", self.kind, ATTENTION_KINDS)
         _check_choice("model.attention.field", self.field, FIELD_MODES)
         _check_choice("model.attention.impl", self.impl, ATTENTION_IMPLS)
+        if len(self.field_bias_init) not in (1, 2):
+            raise ValueError(
+                f"model.attention.field_bias_init must hold 1 or 2 values; got {list(self.field_bias_init)}"
+            )
         if self.block_size < 1:
             raise ValueError(f"model.attention.block_size must be >= 1, got {self.block_size}")
 

@@ -1,0 +1,207 @@
+"""One causal self-attention layer of the FPA family (fpa | fox | softmax).
+
+The forward pass is split into public steps so that the KV-cache decoder and the synthetic experiments
+can reuse them piece by piece:
+
+    q, k, v, u = attn.project(x, pos_offset)        # projections, qk-norm, RoPE, field increments
+    phi = attn.field_from_increments(u, phi_prev)   # the scalar field phi per head (None for softmax)
+    o = fpa_attention(q, k, v, phi, kind=...)       # the attention op (naive / chunked / triton)
+    y = attn.output(o, x)                           # optional output gate, merge heads, out projection
+
+Field parametrizations (shared/design/FPA.md): `walk` u = w_h.x + c_h and phi = cumsum(u); `gate`
+u = logsigmoid(w_h.x + c_h) and phi = cumsum(u) (kind "fox" always uses this one); `direct` u is the
+field value itself. The field is always computed in fp32: a long cumulative sum in bf16 loses the small
+increments that decide which keys survive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fpa_model.config import AttentionConfig
+from fpa_model.ops.fpa import fpa_attention
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos, sin tables (T, head_dim/2) in fp32 for the given integer positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (first half, second half) of the last dim of x (B,H,T,D) by the given angles."""
+    d2 = x.shape[-1] // 2
+    x1, x2 = x[..., :d2].float(), x[..., d2:].float()
+    y = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return y.to(x.dtype)
+
+
+def gate_bias_for_increment(c: float) -> float:
+    """The pre-activation b with logsigmoid(b) = c (< 0), so a gate field starts with increment c."""
+    if c >= 0:
+        raise ValueError(f"model.attention.field_bias_init values must be < 0 for a gate field; got {c}")
+    return -math.log(math.expm1(-c))
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with a first-passage (fpa), forget-gate (fox) or no (softmax) bias.
+
+    Args:
+        d_model: model width.
+        n_head: number of heads (d_model must be divisible by it).
+        cfg: the attention section of the model config.
+        max_seq_len: length the RoPE table is precomputed for (longer sequences extend it on the fly).
+    """
+
+    def __init__(self, d_model: int, n_head: int, cfg: AttentionConfig, max_seq_len: int) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"model.d_model ({d_model}) must be divisible by model.n_head ({n_head})")
+        self.d_model = d_model
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.cfg = cfg
+        self.kind = cfg.kind
+        # FoX is exactly the gate parametrization with the phi_i - phi_j bias.
+        self.field_mode: str | None = (
+            None if cfg.kind == "softmax" else ("gate" if cfg.kind == "fox" else cfg.field)
+        )
+        self.use_rope = cfg.use_rope
+        if self.use_rope and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim; got {self.head_dim}")
+
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model, bias=False)
+        # Per-head field projection: row h is w_h, bias entry h is c_h.
+        self.field_proj = nn.Linear(d_model, n_head, bias=True) if self.field_mode is not None else None
+        self.gate_proj = nn.Linear(d_model, d_model, bias=False) if cfg.output_gate else None
+        self.q_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
+
+        if self.use_rope:
+            cos, sin = rope_cos_sin(torch.arange(max_seq_len), self.head_dim, cfg.rope_theta)
+            # Not persistent: derived from the config, so checkpoints stay independent of max_seq_len.
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------------------------------------
+    # Init
+
+    def field_bias_values(self) -> Tensor:
+        """The per-head initial increments, spread linearly between the two field_bias_init values."""
+        lo, hi = (list(self.cfg.field_bias_init) + list(self.cfg.field_bias_init))[:2]
+        if self.n_head == 1:
+            return torch.tensor([0.5 * (lo + hi)])
+        return torch.linspace(lo, hi, self.n_head)
+
+    @torch.no_grad()
+    def reset_parameters(self, init_std: float = 0.02, out_std: float | None = None) -> None:
+        """FoX-recipe init: normal(init_std) projections, out projection normal(out_std)."""
+        nn.init.normal_(self.qkv.weight, std=init_std)
+        nn.init.normal_(self.out_proj.weight, std=init_std if out_std is None else out_std)
+        if self.gate_proj is not None:
+            nn.init.normal_(self.gate_proj.weight, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.weight.fill_(1.0)
+        if self.field_proj is not None:
+            # Field weights start at field_weight_std (default 0): every increment then equals c_h, the
+            # field falls monotonically and an fpa head starts as exactly a FoX head with constant decay.
+            std = self.cfg.field_weight_std
+            if std > 0:
+                nn.init.normal_(self.field_proj.weight, std=std)
+            else:
+                self.field_proj.weight.zero_()
+            c = self.field_bias_values()
+            if self.field_mode == "gate":
+                c = torch.tensor([gate_bias_for_increment(float(v)) for v in c])
+            self.field_proj.bias.copy_(c)
+
+    # ------------------------------------------------------------------------------------------------
+    # Public steps (the KV-cache decoder calls these directly)
+
+    def _rope_tables(self, start: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        end = start + length
+        if end > self.rope_cos.shape[0]:  # beyond the precomputed table (length extrapolation)
+            return rope_cos_sin(torch.arange(start, end, device=device), self.head_dim, self.cfg.rope_theta)
+        return self.rope_cos[start:end], self.rope_sin[start:end]
+
+    def project(self, x: Tensor, pos_offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Project x (B,T,d_model) to q, k, v (B,H,T,Dh) and field increments u (B,H,T) (None for softmax).
+
+        pos_offset is the absolute position of x[:, 0] (used by RoPE when decoding). u is in fp32; its
+        meaning depends on the field mode: a signed step (walk), a log forget gate (gate), or the field
+        value itself (direct).
+        """
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            cos, sin = self._rope_tables(pos_offset, t, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        u = None
+        if self.field_proj is not None:
+            pre = self.field_proj(x).float().transpose(1, 2)  # (B,H,T)
+            u = F.logsigmoid(pre) if self.field_mode == "gate" else pre
+        return q, k, v, u
+
+    def field_from_increments(self, u: Tensor | None, phi_prev: Tensor | None = None) -> Tensor | None:
+        """The field phi (B,H,T) in fp32 from increments u (B,H,T).
+
+        walk/gate: phi_t = phi_prev + sum_{l<=t} u_l, where phi_prev (B,H) is the field at the token before
+        u[..., 0] (decode; None means the sequence starts here). direct: phi = u (phi_prev is ignored).
+        softmax: None.
+        """
+        if u is None or self.field_mode is None:
+            return None
+        if self.field_mode == "direct":
+            return u.float()
+        phi = torch.cumsum(u.float(), dim=-1)
+        if phi_prev is not None:
+            phi = phi + phi_prev.float()[..., None]
+        return phi
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Merge heads of o (B,H,T,Dh), apply the optional sigmoid output gate from x, project out."""
+        b, _, t, _ = o.shape
+        y = o.transpose(1, 2).reshape(b, t, self.d_model)
+        if self.gate_proj is not None:
+            y = y * torch.sigmoid(self.gate_proj(x))
+        return self.out_proj(y)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
+        """The attention op with this layer's kind / impl / block size (q may be shorter than k)."""
+        return fpa_attention(q, k, v, phi, kind=self.kind, impl=self.cfg.impl, block_size=self.cfg.block_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model)."""
+        q, k, v, u = self.project(x)
+        phi = self.field_from_increments(u)
+        return self.output(self.attend(q, k, v, phi), x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"kind={self.kind}, field={self.field_mode}, heads={self.n_head}, head_dim={self.head_dim}, "
+            f"rope={self.use_rope}, qk_norm={self.cfg.qk_norm}, output_gate={self.cfg.output_gate}"
+        )
