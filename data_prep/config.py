@@ -50,9 +50,14 @@ class DataConfig:
     num_workers: int = 0  # 0: all cores
     out_dir: str | None = None  # None: <run_dir>/data; point several runs at one dir to share shards
     seed: int = 1234  # loader shuffle seed (global order depends on seed and epoch only)
+    # Fraction of train documents that are synthetic passkey documents (data_prep.passkey.passkey_documents),
+    # so a model learns the retrieval format it is evaluated on; 0 keeps the corpus pure.
+    passkey_mix: float = 0.0
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if not 0.0 <= self.passkey_mix < 1.0:
+            raise ValueError(f"data.passkey_mix must be in [0, 1), got {self.passkey_mix}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
