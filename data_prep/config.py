@@ -48,6 +48,13 @@ class DataConfig:
     sequences_per_shard: int = 4096
     max_doc_chars: int = 100_000  # longer documents are split
     num_workers: int = 0  # 0: all cores
+    # Documents per tokenizer batch: big enough for encode_batch to use every core, small enough to cap
+    # memory (the token lists of one batch live in Python at once).
+    tokenize_batch_docs: int = 2048
+    # Loader shuffle granularity, in sequences: the global order is a full permutation within blocks of
+    # whole shards holding at least this many sequences (blocks themselves are shuffled). A corpus that
+    # fits in one block gets an exact global permutation; each rank holds up to two blocks in memory.
+    shuffle_block: int = 65536
     out_dir: str | None = None  # None: <run_dir>/data; point several runs at one dir to share shards
     seed: int = 1234  # loader shuffle seed (global order depends on seed and epoch only)
     # Fraction of train documents that are synthetic passkey documents (data_prep.passkey.passkey_documents),
@@ -61,3 +68,19 @@ class DataConfig:
             raise ValueError(f"data.passkey_mix must be in [0, 1), got {self.passkey_mix}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        for key in (
+            "sequences_per_member",
+            "sequences_per_shard",
+            "max_doc_chars",
+            "tokenize_batch_docs",
+            "shuffle_block",
+        ):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        if self.sequences_per_shard % self.sequences_per_member:
+            raise ValueError(
+                f"data.sequences_per_shard ({self.sequences_per_shard}) must be a multiple of "
+                f"data.sequences_per_member ({self.sequences_per_member})"
+            )
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
