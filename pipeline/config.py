@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
+    InterpolationResolutionError,
     MissingMandatoryValue,
     OmegaConfBaseException,
     ValidationError,
@@ -113,6 +114,8 @@ class LoggingConfig:
     group: str | None = None
     tags: list[str] = field(default_factory=list)
     progress: bool = True  # console progress bars
+    # W&B without console capture, system-stats thread or git probing (tests, quick CPU runs).
+    quiet_wandb: bool = False
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("offline", "online", "disabled"):
@@ -289,14 +292,28 @@ def load_config(paths: list[str | Path] | tuple[str | Path, ...] = (), overrides
         cfg = OmegaConf.to_object(merged)
     except MissingMandatoryValue as e:
         raise _describe(e, "the merged config") from None
-    except OmegaConfBaseException as e:
-        # __post_init__ checks raise ValueError, which OmegaConf wraps.
-        cause = e.__cause__ or e
-        raise ConfigError(str(cause).splitlines()[0]) from None
-    except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+    except InterpolationResolutionError as e:
+        key = getattr(e, "full_key", "") or "?"
+        raise ConfigError(f"cannot resolve '{key}'{_origin_of(key, layers, False)}: {str(e).splitlines()[0]}") from None
+    except (OmegaConfBaseException, ValueError) as e:
+        # __post_init__ checks raise ValueError (OmegaConf may wrap it); they start with the dotted key.
+        msg = str(e.__cause__ or e).splitlines()[0]
+        raise ConfigError(msg + _origin_of(msg.split(" ")[0], layers)) from None
     assert isinstance(cfg, RunConfig)
     return cfg
+
+
+def _origin_of(key: str, layers: list[tuple[Any, str]], dotted_only: bool = True) -> str:
+    """' (set in <file or override>)' for the last layer that sets `key`, '' if none or not a key."""
+    if dotted_only and "." not in key:
+        return ""
+    for node, origin in reversed(layers):
+        try:
+            if OmegaConf.select(node, key, default=None, throw_on_resolution_failure=False) is not None:
+                return f" (set in {origin})"
+        except OmegaConfBaseException:
+            continue
+    return " (the default)"
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -1,0 +1,110 @@
+"""GPT with FPA / FoX / softmax attention: pre-norm blocks (RMSNorm), SwiGLU MLP, optional tied embeddings.
+
+The parts are plain attributes (`embed`, `blocks[i].norm1 / attn / norm2 / mlp`, `norm_f`, `lm_head`) so
+the KV-cache decoder can run the blocks one step at a time with `Block.attn.project / output` and
+`Block.mlp` without going through `GPT.forward`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fpa_model.attention import Attention, RMSNorm
+from fpa_model.config import ModelConfig
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_head, cfg.attention, cfg.max_seq_len)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: forward(idx (B,T) int64) -> logits (B,T,vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size is None or cfg.vocab_size < 1:
+            raise ValueError(
+                "model.vocab_size must be set (train() takes it from the data index when it is null)"
+            )
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """FoX / GPT-2 recipe: normal(init_std), residual projections scaled by 1/sqrt(2 n_layer)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layer)
+        nn.init.normal_(self.embed.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            block.attn.reset_parameters(std, out_std)
+            nn.init.normal_(block.mlp.gate.weight, std=std)
+            nn.init.normal_(block.mlp.up.weight, std=std)
+            nn.init.normal_(block.mlp.down.weight, std=out_std)
+            block.norm1.weight.fill_(1.0)
+            block.norm2.weight.fill_(1.0)
+        self.norm_f.weight.fill_(1.0)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm_f(x))
+
+    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross entropy (fp32) of logits(idx) against targets (B,T)."""
+        logits = self(idx)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Unique parameter count (a tied head counts once); non_embedding drops the token embedding."""
+        n = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N (non-embedding matmuls) + attention scores and values.
+
+        Attention: 2 matmuls (QK^T, PV) of 2 * T * d flops per token and layer in the forward, halved for
+        causality, times 3 for forward + backward: 6 * n_layer * T * d.
+        """
+        n = self.num_parameters(non_embedding=True)
+        if self.cfg.tie_embeddings:
+            n += self.lm_head.weight.numel()  # the head matmul is real work even when tied
+        return 6.0 * n + 6.0 * self.cfg.n_layer * seq_len * self.cfg.d_model
