@@ -17,6 +17,8 @@ class SourceConfig:
     hf_config: str | None = None
     hf_split: str = "train"
     max_docs: int | None = None  # cap for quick runs
+    # text sources: split each file into documents at this string (e.g. "\n\n\n"); None: one per file
+    doc_separator: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in SOURCE_TYPES:
@@ -25,6 +27,12 @@ class SourceConfig:
             raise ValueError(
                 f"packaged corpus must be one of {', '.join(PACKAGED_CORPORA)}; got {self.name!r}"
             )
+        if self.type in ("text", "jsonl", "parquet") and not self.paths:
+            raise ValueError(f"a data source of type {self.type!r} needs paths (files, folders or globs)")
+        if self.max_docs is not None and self.max_docs < 1:
+            raise ValueError(f"data source max_docs must be >= 1 or null, got {self.max_docs}")
+        if self.doc_separator == "":
+            raise ValueError("data source doc_separator must be a non-empty string or null")
 
 
 @dataclass

@@ -58,9 +58,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
-            )
+            raise ValueError(f"model.n_head ({self.n_head}) must divide model.d_model ({self.d_model})")
 
     @property
     def head_dim(self) -> int:

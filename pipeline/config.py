@@ -119,7 +119,9 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"logging.wandb_mode must be offline, online or disabled; got {self.wandb_mode!r}")
+            raise ValueError(
+                f"logging.wandb_mode must be offline, online or disabled; got {self.wandb_mode!r}"
+            )
 
 
 @dataclass
@@ -178,9 +180,7 @@ class Derived:
 def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
     sp = cfg.parallel.sequence
     if world_size % sp:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.sequence={sp}"
-        )
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.sequence={sp}")
     dp = world_size // sp
     if sp > 1 and cfg.data.seq_len % sp:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}")
@@ -270,7 +270,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig
     return out
 
 
-def load_config(paths: list[str | Path] | tuple[str | Path, ...] = (), overrides: list[str] = ()) -> RunConfig:
+def load_config(
+    paths: list[str | Path] | tuple[str | Path, ...] = (), overrides: list[str] = ()
+) -> RunConfig:
     """Merge YAML files then `key=value` overrides onto the typed schema; return the typed config."""
     merged = OmegaConf.structured(RunConfig)
     layers: list[tuple[Any, str]] = []
@@ -294,7 +296,9 @@ def load_config(paths: list[str | Path] | tuple[str | Path, ...] = (), overrides
         raise _describe(e, "the merged config") from None
     except InterpolationResolutionError as e:
         key = getattr(e, "full_key", "") or "?"
-        raise ConfigError(f"cannot resolve '{key}'{_origin_of(key, layers, False)}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"cannot resolve '{key}'{_origin_of(key, layers, False)}: {str(e).splitlines()[0]}"
+        ) from None
     except (OmegaConfBaseException, ValueError) as e:
         # __post_init__ checks raise ValueError (OmegaConf may wrap it); they start with the dotted key.
         msg = str(e.__cause__ or e).splitlines()[0]
@@ -308,11 +312,13 @@ def _origin_of(key: str, layers: list[tuple[Any, str]], dotted_only: bool = True
     if dotted_only and "." not in key:
         return ""
     for node, origin in reversed(layers):
+        parent, _, leaf = key.rpartition(".")
         try:
-            if OmegaConf.select(node, key, default=None, throw_on_resolution_failure=False) is not None:
-                return f" (set in {origin})"
+            holder = OmegaConf.select(node, parent, throw_on_resolution_failure=False) if parent else node
         except OmegaConfBaseException:
             continue
+        if isinstance(holder, DictConfig) and leaf in holder:
+            return f" (set in {origin})"
     return " (the default)"
 
 

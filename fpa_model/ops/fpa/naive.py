@@ -58,7 +58,7 @@ def fpa_attention_naive(
     scale: float | None = None,
 ) -> torch.Tensor:
     """softmax_j(scale * q_i . k_j + b_ij) . v, computed in fp32, returned in q's dtype."""
-    tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    tq, d = q.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if phi is None:
         if kind != "softmax":

@@ -1,0 +1,269 @@
+"""`fpa`: the one command-line entry point. Subcommands map to typed functions.
+
+    fpa prepare CONFIG... [key=value ...]     corpus -> tokenizer -> webdataset shards + index
+    fpa train CONFIG... [key=value ...]       DeepSpeed training (run it under torchrun/srun for N ranks)
+    fpa eval CONFIG... [key=value ...]        passkey, perplexity by position, cache compression, report
+    fpa run CONFIG... [key=value ...]         all stages in order, skipping those already done
+    fpa export CONFIG... [key=value ...]      consolidated safetensors + config from a checkpoint
+    fpa launch slurm CONFIG... [--dry-run]    render (and submit) the Slurm jobs of a run
+    fpa sweep SWEEP.yaml [--local] [--collect]  an ablation grid as a Slurm job array (or locally)
+    fpa print-config CONFIG... [key=value ...]  the fully resolved config
+    fpa synthetic [--quick]                   the paper's one-layer synthetic experiment
+
+Arguments containing '=' are overrides (dotted keys); the others are YAML files, merged left to right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, RunConfig, load_config, to_yaml
+
+log = logging.getLogger("fpa")
+
+
+def _split(items: list[str]) -> tuple[list[str], list[str]]:
+    overrides = [a for a in items if "=" in a]
+    paths = [a for a in items if "=" not in a]
+    return paths, overrides
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    paths, overrides = _split(args.items)
+    return load_config(paths, overrides)
+
+
+# -- subcommands -------------------------------------------------------------------------------------
+
+
+def cmd_print_config(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    print(to_yaml(cfg), end="")
+    if args.derived:
+        from pipeline.config import derive
+
+        print(f"# derived (world size {args.world_size}): {derive(cfg, args.world_size)}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from pipeline.stages import run_prepare
+
+    result = run_prepare(_config(args), force=args.force)
+    log.info("prepare: %s", {k: v for k, v in result.items() if not isinstance(v, dict | list)})
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.stages import run_train
+
+    run_train(_config(args), force=args.force)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pipeline.stages import run_eval
+
+    run_eval(_config(args), checkpoint=Path(args.checkpoint) if args.checkpoint else None, force=args.force)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipeline.checkpoint import latest_checkpoint
+    from pipeline.export import export
+    from pipeline.stages import export_dir
+
+    cfg = _config(args)
+    ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(cfg.run_dir / "checkpoints")
+    if ckpt is None:
+        raise ConfigError(f"no complete checkpoint under {cfg.run_dir / 'checkpoints'}")
+    out = export(cfg, ckpt, Path(args.out) if args.out else export_dir(cfg))
+    print(out)
+    return 0
+
+
+def _torchrun_train(items: list[str], nproc: int, force: bool) -> None:
+    """Training on N local processes: the same CLI under torchrun (DeepSpeed picks gloo on CPU)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "pipeline.cli",
+        "train",
+        *items,
+    ] + (["--force"] if force else [])
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log.info("train: %s", " ".join(cmd))
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0:
+        raise SystemExit(f"fpa: error: training exited with status {rc} (see the run's logs/train.log)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.stages import run_eval, run_prepare, run_train
+
+    cfg = _config(args)
+    stages = args.stages.split(",")
+    bad = [s for s in stages if s not in ("prepare", "train", "eval")]
+    if bad:
+        raise ConfigError(f"unknown stage(s) {bad}; stages are prepare, train, eval")
+    if "prepare" in stages:
+        run_prepare(cfg, force=args.force)
+    if "train" in stages:
+        if args.nproc > 1:
+            _torchrun_train(args.items, args.nproc, args.force)
+        else:
+            run_train(cfg, force=args.force)
+    if "eval" in stages:
+        result = run_eval(cfg, force=args.force)
+        report = cfg.run_dir / "eval" / "report.md"
+        if report.exists():
+            print(report.read_text())
+        else:
+            log.info("eval: %s", result)
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from launch.slurm import launch_slurm
+
+    paths, overrides = _split(args.items)
+    load_config(paths, overrides)  # fail fast, before anything is rendered
+    launch_slurm(paths, overrides, dry_run=args.dry_run)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from launch.sweep import collect_sweep, run_sweep
+
+    if args.collect:
+        print(collect_sweep(Path(args.sweep)))
+    else:
+        run_sweep(Path(args.sweep), mode="local" if args.local else "slurm", dry_run=args.dry_run)
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fpa",
+        description="Pretrain GPT models with First Passage Attention (and FoX / softmax baselines).",
+        epilog="Arguments with '=' are config overrides (e.g. train.lr=1e-3); others are YAML files. "
+        "Example: fpa run configs/tiny.yaml model.attention.kind=fox",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_items(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument(
+            "items",
+            nargs="*",
+            metavar="CONFIG|KEY=VALUE",
+            help="YAML config files (merged left to right) and key=value overrides",
+        )
+        return sp
+
+    sp = with_items("prepare", "tokenize a corpus into webdataset shards with an index")
+    sp.add_argument("--force", action="store_true", help="redo even if the manifest says done")
+    sp.set_defaults(fn=cmd_prepare)
+
+    sp = with_items("train", "train under DeepSpeed ZeRO (one process per rank: use torchrun/srun for N)")
+    sp.add_argument("--force", action="store_true", help="redo even if the manifest says done")
+    sp.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    sp.set_defaults(fn=cmd_train)
+
+    sp = with_items("eval", "passkey retrieval, perplexity by position, KV-cache compression, report")
+    sp.add_argument(
+        "--checkpoint", help="an export dir (model.safetensors + config.yaml); default: the run's"
+    )
+    sp.add_argument("--force", action="store_true", help="redo even if the manifest says done")
+    sp.set_defaults(fn=cmd_eval)
+
+    sp = with_items("run", "all stages in order (prepare -> train -> eval), skipping those already done")
+    sp.add_argument("--nproc", type=int, default=1, help="training processes on this machine (torchrun)")
+    sp.add_argument("--stages", default="prepare,train,eval", help="comma-separated subset of stages")
+    sp.add_argument("--force", action="store_true", help="redo every stage")
+    sp.set_defaults(fn=cmd_run)
+
+    sp = with_items("export", "write consolidated safetensors weights + config from a checkpoint")
+    sp.add_argument("--checkpoint", help="a checkpoint dir (default: the latest complete one)")
+    sp.add_argument("--out", help="output dir (default: <run_dir>/export)")
+    sp.set_defaults(fn=cmd_export)
+
+    sp = with_items("print-config", "print the fully resolved config")
+    sp.add_argument("--derived", action="store_true", help="also print derived values (global batch, ...)")
+    sp.add_argument("--world-size", type=int, default=1, help="ranks assumed for --derived")
+    sp.set_defaults(fn=cmd_print_config)
+
+    lp = sub.add_parser("launch", help="launch a run on a cluster", description="launch a run on a cluster")
+    lsub = lp.add_subparsers(dest="target", required=True, metavar="TARGET")
+    sp = lsub.add_parser("slurm", help="render sbatch scripts (prepare, train, eval) and submit them chained")
+    sp.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE")
+    sp.add_argument("--dry-run", action="store_true", help="print the scripts, submit nothing")
+    sp.set_defaults(fn=cmd_launch)
+
+    sp = sub.add_parser("sweep", help="run an ablation grid (Slurm job array or locally) or collect it")
+    sp.add_argument("sweep", help="a sweep YAML (see configs/sweeps/)")
+    sp.add_argument("--local", action="store_true", help="run the grid here, one run after another")
+    sp.add_argument("--dry-run", action="store_true", help="print what would run")
+    sp.add_argument("--collect", action="store_true", help="gather the runs' eval reports into one table")
+    sp.set_defaults(fn=cmd_sweep)
+
+    # Parsed by pipeline.synthetic itself (main() hands it the rest of the command line).
+    sub.add_parser("synthetic", help="one-layer synthetic tasks: FPA vs FoX vs softmax heads (--help)")
+    return p
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ConfigError, FileNotFoundError]
+    try:
+        from data_prep.errors import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["synthetic"]:
+        from pipeline.synthetic import main as synthetic_main
+
+        return synthetic_main(argv[1:])
+    parser = build_parser()
+    # Options may come after overrides (`fpa train a.yaml --force x=1`): argparse leaves the trailing
+    # positionals over; they join the config items. Unknown options are still errors.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown or (extra and not hasattr(args, "items")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.items += extra
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return args.fn(args)
+    except _known_errors() as e:
+        # Bad input is the user's to fix: one line, no traceback wall.
+        print(f"fpa: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

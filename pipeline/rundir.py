@@ -1,0 +1,179 @@
+"""Run directories and per-stage manifests.
+
+runs/<name>/
+  config.yaml            the fully resolved config of the latest invocation (older ones in config_history/)
+  git.json               code version: git SHA and whether the tree was dirty
+  manifests/<stage>.json status, fingerprint, inputs and outputs with hashes, timings, result summary
+  logs/<stage>.log       everything the stage logged
+
+A stage is skipped when its manifest says "done" with the same fingerprint: a hash of the config sections
+the stage reads and of its input files. Any change to those redoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig, to_yaml
+
+STAGES = ("prepare", "train", "eval")
+log = logging.getLogger("fpa")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def git_info() -> dict[str, Any]:
+    """The SHA of the checkout this code runs from ("unknown" outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
+            ).stdout.strip()
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": "unknown", "dirty": None}
+    return {"sha": sha, "dirty": dirty}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class Manifest:
+    stage: str
+    status: str  # running | done | failed
+    fingerprint: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, str] = field(
+        default_factory=dict
+    )  # path (relative to the run dir if inside) -> sha256
+    result: dict[str, Any] = field(default_factory=dict)
+    git: dict[str, Any] = field(default_factory=dict)
+    started: float = 0.0
+    finished: float | None = None
+    seconds: float | None = None
+    error: str | None = None
+
+
+class RunDir:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.path = cfg.run_dir
+
+    # -- layout ------------------------------------------------------------------------------------
+    def manifest_path(self, stage: str) -> Path:
+        return self.path / "manifests" / f"{stage}.json"
+
+    def log_path(self, stage: str) -> Path:
+        return self.path / "logs" / f"{stage}.log"
+
+    def init(self) -> None:
+        """Create the run dir and record the resolved config and code version (keeping older configs)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        text = to_yaml(self.cfg)
+        cfg_path = self.path / "config.yaml"
+        if cfg_path.exists() and cfg_path.read_text() != text:
+            hist = self.path / "config_history"
+            hist.mkdir(exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(cfg_path.stat().st_mtime))
+            shutil.copy2(cfg_path, hist / f"config-{stamp}.yaml")
+        _atomic_write(cfg_path, text)
+        _atomic_write(self.path / "git.json", json.dumps(git_info(), indent=2) + "\n")
+
+    # -- manifests ---------------------------------------------------------------------------------
+    def read_manifest(self, stage: str) -> Manifest | None:
+        p = self.manifest_path(stage)
+        if not p.exists():
+            return None
+        try:
+            return Manifest(**json.loads(p.read_text()))
+        except (json.JSONDecodeError, TypeError):
+            log.warning("ignoring unreadable manifest %s", p)
+            return None
+
+    def write_manifest(self, m: Manifest) -> None:
+        _atomic_write(self.manifest_path(m.stage), json.dumps(asdict(m), indent=2, default=str) + "\n")
+
+    def is_done(self, stage: str, fingerprint: str) -> bool:
+        m = self.read_manifest(stage)
+        return m is not None and m.status == "done" and m.fingerprint == fingerprint
+
+    def rel(self, p: Path) -> str:
+        try:
+            return str(Path(p).resolve().relative_to(self.path.resolve()))
+        except ValueError:
+            return str(p)
+
+    @contextlib.contextmanager
+    def stage(self, stage: str, inputs: dict[str, Any]) -> Iterator[Manifest]:
+        """Run a stage body: writes a 'running' manifest, then 'done' (or 'failed' with the error) with
+        timings, and tees all logging into logs/<stage>.log. The body fills `outputs` and `result`."""
+        self.init()
+        m = Manifest(
+            stage=stage,
+            status="running",
+            fingerprint=sha256_json(inputs),
+            inputs=inputs,
+            git=git_info(),
+            started=time.time(),
+        )
+        self.write_manifest(m)
+        self.log_path(stage).parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.log_path(stage))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        try:
+            yield m
+        except BaseException as e:
+            m.status, m.error = "failed", f"{type(e).__name__}: {e}"
+            raise
+        else:
+            m.status = "done"
+        finally:
+            m.finished = time.time()
+            m.seconds = round(m.finished - m.started, 3)
+            self.write_manifest(m)
+            root.removeHandler(handler)
+            handler.close()
+
+
+def hash_outputs(run: RunDir, paths: list[Path]) -> dict[str, str]:
+    return {run.rel(p): sha256_file(p) for p in paths if Path(p).is_file()}

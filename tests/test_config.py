@@ -1,0 +1,125 @@
+"""Config merging, every error message, derived values, and every YAML shipped under configs/."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, RunConfig, derive, from_yaml_text, load_config, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config([path])
+    assert isinstance(cfg, RunConfig)
+    assert from_yaml_text(to_yaml(cfg)) == cfg  # the saved resolved YAML rebuilds the same config
+
+
+def test_merge_order_files_then_overrides(tmp_path: Path) -> None:
+    a = tmp_path / "a.yaml"
+    a.write_text("train:\n  lr: 1.0e-3\n  max_steps: 7\nmodel:\n  n_layer: 3\n")
+    b = tmp_path / "b.yaml"
+    b.write_text("base: [a.yaml]\ntrain:\n  lr: 5.0e-4\n")
+    cfg = load_config([b], ["model.attention.kind=fox", "train.max_steps=9"])
+    assert cfg.train.lr == 5e-4  # b over its base a
+    assert cfg.train.max_steps == 9  # override over files
+    assert cfg.model.n_layer == 3
+    assert cfg.model.attention.kind == "fox"
+    assert cfg.train.grad_accum == 1  # untouched defaults survive
+
+
+def test_tiny_preset_values() -> None:
+    cfg = load_config([ROOT / "configs/tiny.yaml"])
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.name) == (2, 128, "tiny")
+    assert cfg.data.train.name == "kjv"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "train.lrr=1",
+            "unknown config key 'train.lrr' in override 'train.lrr=1' (did you mean 'train.lr'?)",
+        ),
+        ("trian.lr=1", "unknown config key 'trian' in override 'trian.lr=1' (did you mean 'train'?)"),
+        ("train.lr=abc", "bad value for 'train.lr' in override 'train.lr=abc'"),
+        ("train.max_steps=1.5", "bad value for 'train.max_steps'"),
+        (
+            "model.attention.kind=foo",
+            "model.attention.kind must be one of fpa, fox, softmax; got 'foo' "
+            "(set in override 'model.attention.kind=foo')",
+        ),
+        ("train.zero_stage=4", "train.zero_stage must be 0, 1, 2 or 3; got 4"),
+        ("model.n_head=3", "model.n_head (3) must divide model.d_model (128)"),
+        ("train.lr", "override 'train.lr' is not of the form key=value"),
+    ],
+)
+def test_override_errors_name_the_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config([], [override])
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  attention:\n    feild: walk\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'model.attention.feild' in .*bad.yaml "
+        r"\(did you mean 'model.attention.field'\?\)",
+    ):
+        load_config([p])
+
+
+def test_wrong_type_in_file_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  micro_batch: many\n")
+    with pytest.raises(ConfigError, match=r"bad value for 'train.micro_batch' in .*bad.yaml"):
+        load_config([p])
+
+
+def test_missing_file_and_missing_base(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config([tmp_path / "nope.yaml"])
+    p = tmp_path / "a.yaml"
+    p.write_text("base: [gone.yaml]\n")
+    with pytest.raises(ConfigError, match="config file not found: .*gone.yaml"):
+        load_config([p])
+
+
+def test_base_cycle_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("base: [b.yaml]\n")
+    (tmp_path / "b.yaml").write_text("base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config([tmp_path / "a.yaml"])
+
+
+def test_missing_required_value(tmp_path: Path) -> None:
+    # '???' in a file does not erase a default (OmegaConf merge semantics); a required value the schema
+    # leaves unset, or an interpolation to a key that does not exist, is an error naming the key.
+    p = tmp_path / "a.yaml"
+    p.write_text("name: ${train.nope}\n")
+    with pytest.raises(ConfigError, match=r"cannot resolve 'name' \(set in .*a.yaml\)"):
+        load_config([p])
+
+
+def test_yaml_syntax_error(tmp_path: Path) -> None:
+    p = tmp_path / "a.yaml"
+    p.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse .*a.yaml"):
+        load_config([p])
+
+
+def test_derived_values() -> None:
+    cfg = load_config(
+        [], ["train.micro_batch=4", "train.grad_accum=3", "data.seq_len=128", "parallel.sequence=2"]
+    )
+    d = derive(cfg, world_size=8)
+    assert (d.data_parallel, d.global_batch, d.tokens_per_step) == (4, 4 * 3 * 4, 4 * 3 * 4 * 128)
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by parallel.sequence=4"):
+        derive(load_config([], ["parallel.sequence=4"]), world_size=6)
+    with pytest.raises(ConfigError, match="data.seq_len=130 is not divisible by parallel.sequence=4"):
+        derive(load_config([], ["parallel.sequence=4", "data.seq_len=130"]), world_size=4)

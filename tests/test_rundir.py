@@ -1,0 +1,66 @@
+"""Run directories: resolved config and git SHA saved, manifests with status and timings, skip or redo."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import from_yaml_text, load_config
+from pipeline.rundir import RunDir, sha256_json
+from pipeline.stages import _skip, eval_inputs, prepare_inputs, train_inputs
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    return load_config([], [f"runs_dir={tmp_path}", "name=r", *overrides])
+
+
+def test_stage_writes_config_git_manifest_and_log(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    run = RunDir(cfg)
+    with run.stage("prepare", {"a": 1}) as m:
+        m.result = {"tokens": 5}
+    assert from_yaml_text((tmp_path / "r/config.yaml").read_text()) == cfg
+    assert json.loads((tmp_path / "r/git.json").read_text())["sha"]
+    man = json.loads((tmp_path / "r/manifests/prepare.json").read_text())
+    assert man["status"] == "done" and man["fingerprint"] == sha256_json({"a": 1})
+    assert man["result"] == {"tokens": 5} and man["seconds"] >= 0
+    assert (tmp_path / "r/logs/prepare.log").exists()
+
+
+def test_failed_stage_is_recorded_and_not_skipped(tmp_path: Path) -> None:
+    run = RunDir(_cfg(tmp_path))
+    with pytest.raises(RuntimeError), run.stage("train", {"a": 1}):
+        raise RuntimeError("boom")
+    m = run.read_manifest("train")
+    assert m.status == "failed" and "boom" in m.error
+    assert not _skip(run, "train", {"a": 1}, force=False)
+
+
+def test_skip_only_when_done_with_same_fingerprint(tmp_path: Path) -> None:
+    run = RunDir(_cfg(tmp_path))
+    with run.stage("eval", {"x": 1}):
+        pass
+    assert _skip(run, "eval", {"x": 1}, force=False)
+    assert not _skip(run, "eval", {"x": 1}, force=True)
+    assert not _skip(run, "eval", {"x": 2}, force=False)
+
+
+def test_changed_config_is_kept_in_history(tmp_path: Path) -> None:
+    RunDir(_cfg(tmp_path, "train.lr=0.1")).init()
+    RunDir(_cfg(tmp_path, "train.lr=0.2")).init()
+    hist = list((tmp_path / "r/config_history").glob("*.yaml"))
+    assert len(hist) == 1 and "lr: 0.1" in hist[0].read_text()
+
+
+def test_fingerprints_follow_what_each_stage_reads(tmp_path: Path) -> None:
+    base = _cfg(tmp_path)
+    # prepare depends on the data section, not on training or logging
+    assert prepare_inputs(base) == prepare_inputs(
+        _cfg(tmp_path, "train.lr=0.5", "logging.wandb_mode=disabled")
+    )
+    assert prepare_inputs(base) != prepare_inputs(_cfg(tmp_path, "data.seq_len=64"))
+    # train depends on model/train/world size but not on checkpoint cadence or logging
+    assert train_inputs(base, 1) == train_inputs(_cfg(tmp_path, "train.checkpoint.every=7"), 1)
+    assert train_inputs(base, 1) != train_inputs(_cfg(tmp_path, "model.attention.kind=fox"), 1)
+    assert train_inputs(base, 1) != train_inputs(base, 2)
+    assert eval_inputs(base, None) != eval_inputs(_cfg(tmp_path, "eval.passkey.trials=1"), None)
