@@ -1,0 +1,349 @@
+"""Incremental decoding with a KV cache for every attention kind, and FPA's sticky key eviction.
+
+Per layer the cache holds K, V (B,H,C,Dh) and, for fpa/fox, the field value phi_j of every cached key
+and its running minimum r_j = min_{j <= t <= now} phi_t. The bias of key j for a query at i >= now is
+
+    fpa: b_ij = min(r_j, min_{now < t <= i} phi_t) - phi_j  <=  r_j - phi_j
+    fox: b_ij = phi_i - phi_j                               <=  phi_now - phi_j   (phi never rises)
+
+so once r_j - phi_j < -delta, key j stays below -delta for every future query and can be dropped for good
+(shared/design/FPA.md, "KV cache compression"). Dropped keys are removed from the tensors (each head keeps
+its own set; heads are padded to the largest kept count and the padding is masked), so memory shrinks.
+
+The threshold. Relative to the query's own (diagonal) key, which is never evicted and has b_ii = 0, the
+weight of key j is exp(scale q.(k_j - k_i) + b_ij) <= exp(2 scale |q| k_max + b_ij). With
+
+    delta = 2 * scale * (s q_max) * (s k_max) + log N + margin
+
+every evicted key then weighs less than exp(-margin) / N, so all evicted keys together carry less than
+exp(-margin) of the softmax mass at any later query, and each attention output moves by less than
+2 exp(-margin) max|v|. q_max and k_max must bound *future* queries and keys, which are unknown: we use the
+largest norm seen so far in that layer and head (prefill sees the whole prompt, so the estimate starts from
+many tokens) times a slack factor s (CacheConfig.norm_slack, default 1.25), and N is the larger of the
+tokens seen and the expected total length (`max_tokens`). The bound is therefore sound for any continuation
+whose query and key norms stay within s times those of the prompt; with qk_norm the norms are fixed by the
+RMSNorm weights and the bound holds outright. A fixed `delta` (CacheConfig.delta) overrides the bound.
+
+Softmax never evicts. With eviction off, decoding reproduces the full forward pass to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fpa_model.ops.fpa.naive import fpa_bias_naive
+
+
+@dataclass
+class EvictionPolicy:
+    """When to drop keys (see the module docstring for the bound)."""
+
+    enabled: bool = False
+    delta: float | None = None  # fixed threshold; None: the sound bound
+    margin: float = 2.0  # exp(-margin) bounds the total softmax mass of all evicted keys
+    norm_slack: float = 1.25  # future |q|, |k| assumed <= norm_slack * the largest seen so far
+    max_tokens: int | None = None  # expected total length: log N uses max(tokens seen, max_tokens)
+    record: bool = False  # keep a log of evictions (tests and analysis)
+
+
+@dataclass
+class Eviction:
+    """One eviction event: at `seen` tokens, key positions `pos` were dropped from (batch, head)."""
+
+    seen: int
+    batch: Tensor  # (n,) int64
+    head: Tensor  # (n,)
+    pos: Tensor  # (n,) absolute key positions
+    bias: Tensor  # (n,) r_j - phi_j at eviction time
+    delta: Tensor  # (n,) the threshold used
+
+
+class LayerCache:
+    """The cache of one attention layer. Raw-tensor interface: `attend(q, k, v, phi)` for new tokens.
+
+    q, k, v: (B,H,T,Dh) for T new tokens at positions seen..seen+T-1; phi: (B,H,T) their field values
+    (None for softmax). Returns the attention output (B,H,T,Dh) in fp32 over all cached keys plus the new
+    ones, then appends the new keys and applies the eviction policy.
+    """
+
+    def __init__(self, kind: str, policy: EvictionPolicy | None = None, scale: float | None = None) -> None:
+        if kind not in ("fpa", "fox", "softmax"):
+            raise ValueError(f"unknown attention kind {kind!r}")
+        self.kind = kind
+        self.policy = policy or EvictionPolicy()
+        self.scale = scale
+        self.seen = 0
+        self.k: Tensor | None = None  # (B,H,C,Dh)
+        self.v: Tensor | None = None
+        self.phi: Tensor | None = None  # (B,H,C) fp32, field value at each cached key
+        self.r: Tensor | None = None  # (B,H,C) fp32, running min of phi from the key to now
+        self.pos: Tensor | None = None  # (B,H,C) int64 absolute positions
+        self.valid: Tensor | None = None  # (B,H,C) bool; False marks padding after compaction
+        self.phi_last: Tensor | None = None  # (B,H) field at the newest token (walk/gate accumulate it)
+        self.q_max: Tensor | None = None  # (B,H) largest query norm seen
+        self.k_max: Tensor | None = None  # (B,H) largest key norm seen
+        self.log: list[Eviction] = []
+
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Slots held per (batch, head): the memory actually allocated."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def kept(self) -> int:
+        """Cached keys summed over batch and heads."""
+        return 0 if self.valid is None else int(self.valid.sum())
+
+    def fraction_kept(self) -> float:
+        """Kept keys / tokens seen, averaged over batch and heads (1.0 before any token)."""
+        if self.valid is None or self.seen == 0:
+            return 1.0
+        b, h = self.valid.shape[:2]
+        return self.kept() / (b * h * self.seen)
+
+    def threshold(self) -> Tensor:
+        """delta per (batch, head), (B,H) fp32."""
+        assert self.q_max is not None and self.k_max is not None
+        p = self.policy
+        if p.delta is not None:
+            return torch.full_like(self.q_max, float(p.delta))
+        n = max(self.seen, p.max_tokens or 0, 1)
+        s = p.norm_slack
+        assert self.k is not None
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.k.shape[-1])
+        return 2.0 * scale * (s * self.q_max) * (s * self.k_max) + math.log(n) + p.margin
+
+    # ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
+        b, h, t, d = q.shape
+        if (phi is None) != (self.kind == "softmax"):
+            raise ValueError(
+                f"attention kind {self.kind!r} {'needs' if phi is None else 'takes no'} field phi"
+            )
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+        qf, kf, vf = q.float(), k.float(), v.float()
+        phi_f = phi.float() if phi is not None else None
+
+        # Bias of the new keys among themselves (causal, -inf above the diagonal).
+        if phi_f is not None:
+            b_new = fpa_bias_naive(phi_f, self.kind)
+        else:
+            b_new = fpa_bias_naive(q.new_zeros(b, h, t), "softmax")
+        logits_new = scale * torch.einsum("bhid,bhjd->bhij", qf, kf) + b_new
+
+        if self.k is not None:
+            assert self.v is not None and self.valid is not None
+            logits_old = scale * torch.einsum("bhid,bhjd->bhij", qf, self.k.float())
+            if phi_f is not None:
+                assert self.phi is not None and self.r is not None
+                if self.kind == "fpa":
+                    prefix_min = torch.cummin(phi_f, dim=-1).values  # min over [now+1, i]
+                    b_old = (
+                        torch.minimum(self.r[..., None, :], prefix_min[..., :, None]) - self.phi[..., None, :]
+                    )
+                else:  # fox
+                    b_old = phi_f[..., :, None] - self.phi[..., None, :]
+                logits_old = logits_old + b_old
+            logits_old = logits_old.masked_fill(~self.valid[..., None, :], float("-inf"))
+            logits = torch.cat([logits_old, logits_new], dim=-1)
+            values = torch.cat([self.v.float(), vf], dim=-2)
+        else:
+            logits, values = logits_new, vf
+        out = torch.softmax(logits, dim=-1) @ values
+
+        self._append(q, k, v, phi_f)
+        if self.policy.enabled and self.kind != "softmax":
+            self._evict()
+        return out
+
+    def _append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
+        b, h, t, _ = k.shape
+        pos = torch.arange(self.seen, self.seen + t, device=k.device).expand(b, h, t)
+        valid = torch.ones(b, h, t, dtype=torch.bool, device=k.device)
+        q_norm = q.float().norm(dim=-1).amax(-1)
+        k_norm = k.float().norm(dim=-1).amax(-1)
+        self.q_max = q_norm if self.q_max is None else torch.maximum(self.q_max, q_norm)
+        self.k_max = k_norm if self.k_max is None else torch.maximum(self.k_max, k_norm)
+        if phi is not None:
+            # r for a new key: min of phi from the key to the newest token (suffix min in the chunk).
+            r_new = torch.flip(torch.cummin(torch.flip(phi, [-1]), dim=-1).values, [-1])
+            if self.r is not None:
+                assert self.phi is not None
+                self.r = torch.cat([torch.minimum(self.r, phi.amin(-1, keepdim=True)), r_new], dim=-1)
+                self.phi = torch.cat([self.phi, phi], dim=-1)
+            else:
+                self.r, self.phi = r_new, phi.clone()
+            self.phi_last = phi[..., -1].clone()
+        if self.k is None:
+            self.k, self.v, self.pos, self.valid = k.clone(), v.clone(), pos.clone(), valid
+        else:
+            assert self.v is not None and self.pos is not None and self.valid is not None
+            self.k = torch.cat([self.k, k], dim=-2)
+            self.v = torch.cat([self.v, v], dim=-2)
+            self.pos = torch.cat([self.pos, pos], dim=-1)
+            self.valid = torch.cat([self.valid, valid], dim=-1)
+        self.seen += t
+
+    def _evict(self) -> None:
+        assert self.phi is not None and self.r is not None and self.valid is not None
+        assert self.k is not None and self.v is not None and self.pos is not None
+        if self.kind == "fpa":
+            bias = self.r - self.phi
+        else:  # fox: phi is a cumulative sum of log forget gates, so phi_now is the running min
+            assert self.phi_last is not None
+            bias = self.phi_last[..., None] - self.phi
+        delta = self.threshold()
+        drop = self.valid & (bias < -delta[..., None])
+        if not bool(drop.any()):
+            return
+        if self.policy.record:
+            bi, hi, ci = drop.nonzero(as_tuple=True)
+            self.log.append(
+                Eviction(self.seen, bi, hi, self.pos[bi, hi, ci], bias[bi, hi, ci], delta[bi, hi])
+            )
+        keep = self.valid & ~drop
+        new_cap = int(keep.sum(-1).max())
+        # Kept slots first, in their original order (a stable sort of the drop flags), then cut.
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :new_cap]
+        d = self.k.shape[-1]
+        idx_d = order[..., None].expand(*order.shape, d)
+        self.k = torch.gather(self.k, 2, idx_d)
+        self.v = torch.gather(self.v, 2, idx_d)
+        self.phi = torch.gather(self.phi, 2, order)
+        self.r = torch.gather(self.r, 2, order)
+        self.pos = torch.gather(self.pos, 2, order)
+        self.valid = torch.gather(keep, 2, order)
+
+    def kept_positions(self, batch: int = 0, head: int = 0) -> list[int]:
+        """Absolute positions of the keys still cached for one (batch, head)."""
+        if self.pos is None or self.valid is None:
+            return []
+        return self.pos[batch, head][self.valid[batch, head]].tolist()
+
+
+@dataclass
+class KVCache:
+    """The caches of all layers of a GPT plus the number of tokens consumed."""
+
+    layers: list[LayerCache]
+    seen: int = 0
+    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, policy: EvictionPolicy | None = None) -> KVCache:
+        policy = policy or EvictionPolicy()
+        return cls([LayerCache(block.attn.kind, policy) for block in model.blocks])
+
+    def fraction_kept(self) -> dict[str, float | list[float]]:
+        """{"per_layer": [kept/seen per layer], "overall": kept/seen over all layers and heads}."""
+        per_layer = [lc.fraction_kept() for lc in self.layers]
+        return {"per_layer": per_layer, "overall": sum(per_layer) / max(len(per_layer), 1)}
+
+    def capacity(self) -> list[int]:
+        """Slots allocated per (batch, head) in each layer."""
+        return [lc.capacity for lc in self.layers]
+
+
+def policy_from_config(
+    cache_cfg: object, *, max_tokens: int | None = None, enabled: bool | None = None
+) -> EvictionPolicy:
+    """An EvictionPolicy from a CacheConfig section (evict, delta, margin, norm_slack)."""
+    return EvictionPolicy(
+        enabled=bool(cache_cfg.evict) if enabled is None else enabled,  # type: ignore[attr-defined]
+        delta=cache_cfg.delta,  # type: ignore[attr-defined]
+        margin=float(cache_cfg.margin),  # type: ignore[attr-defined]
+        norm_slack=float(getattr(cache_cfg, "norm_slack", 1.25)),
+        max_tokens=max_tokens,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model-level decoding
+
+
+@torch.no_grad()
+def _forward_chunk(model: torch.nn.Module, cache: KVCache, idx: Tensor) -> Tensor:
+    """Run new tokens idx (B,T) through the model against the cache; return their logits (B,T,V)."""
+    x = model.embed(idx)
+    for block, lc in zip(model.blocks, cache.layers):
+        attn = block.attn
+        h = block.norm1(x)
+        q, k, v, u = attn.project(h, pos_offset=cache.seen)
+        phi = attn.field_from_increments(u, lc.phi_last)
+        o = lc.attend(q, k, v, phi)
+        x = x + attn.output(o.to(h.dtype), h)
+        x = x + block.mlp(block.norm2(x))
+    cache.seen += idx.shape[1]
+    return model.lm_head(model.norm_f(x))
+
+
+@torch.no_grad()
+def prefill(
+    model: torch.nn.Module,
+    idx: Tensor,
+    cache: KVCache | None = None,
+    *,
+    policy: EvictionPolicy | None = None,
+    chunk_size: int = 128,
+    all_logits: bool = False,
+) -> tuple[Tensor, KVCache]:
+    """Feed a prompt idx (B,T) in chunks of chunk_size; evictions happen between chunks, so later chunks
+    (and the first generated token) already see the compressed cache.
+
+    Returns (logits, cache): logits (B,T,V) if all_logits else those of the last position (B,V).
+    """
+    if idx.dim() != 2 or idx.shape[1] == 0:
+        raise ValueError(f"prefill needs token ids of shape (B, T>0); got {tuple(idx.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"prefill chunk_size must be >= 1; got {chunk_size}")
+    cache = cache if cache is not None else KVCache.for_model(model, policy)
+    outs = []
+    for start in range(0, idx.shape[1], chunk_size):
+        logits = _forward_chunk(model, cache, idx[:, start : start + chunk_size])
+        outs.append(logits if all_logits else logits[:, -1:])
+    logits = torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1]
+    return logits, cache
+
+
+@torch.no_grad()
+def decode_step(model: torch.nn.Module, cache: KVCache, token: Tensor) -> Tensor:
+    """One new token per sequence, token (B,) or (B,1) -> next-token logits (B,V)."""
+    token = token.reshape(-1, 1)
+    return _forward_chunk(model, cache, token)[:, -1]
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    policy: EvictionPolicy | None = None,
+    chunk_size: int = 128,
+    eos_id: int | None = None,
+) -> tuple[Tensor, KVCache]:
+    """Greedy decoding: prompt idx (B,T) -> (new tokens (B, <= max_new_tokens), cache).
+
+    Stops early once every sequence has produced eos_id (later positions of finished rows repeat it).
+    """
+    logits, cache = prefill(model, idx, policy=policy, chunk_size=chunk_size)
+    out: list[Tensor] = []
+    done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    for step in range(max_new_tokens):
+        nxt = logits.argmax(-1)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        out.append(nxt)
+        if step + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+            break
+        logits = decode_step(model, cache, nxt)
+    new = torch.stack(out, dim=1) if out else idx.new_zeros(idx.shape[0], 0)
+    return new, cache

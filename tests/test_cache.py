@@ -1,0 +1,194 @@
+"""KV-cache decoding against the full forward pass, and FPA eviction against its bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fpa_model.cache import EvictionPolicy, KVCache, LayerCache, decode_step, generate, prefill
+from fpa_model.ops.fpa.naive import fpa_attention_naive, fpa_bias_naive
+
+
+def _field(kind: str, b: int, h: int, t: int, gen: torch.Generator) -> torch.Tensor | None:
+    if kind == "softmax":
+        return None
+    if kind == "fox":
+        return torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(b, h, t, generator=gen) + 1.0), -1)
+    # fpa: a signed walk with drift, so dips erase keys and valleys keep old ones alive
+    return torch.cumsum(torch.randn(b, h, t, generator=gen) * 1.5 - 0.05, -1)
+
+
+def _qkv(b: int, h: int, t: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(b, h, t, d, generator=gen) for _ in range(3))
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox", "softmax"])
+@pytest.mark.parametrize("chunks", [[40], [1] * 40, [16, 1, 1, 7, 15]], ids=["full", "tokens", "mixed"])
+def test_layer_cache_exact_without_eviction(kind: str, chunks: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 3, sum(chunks), 8
+    q, k, v = _qkv(b, h, t, d, gen)
+    phi = _field(kind, b, h, t, gen)
+    ref = fpa_attention_naive(q, k, v, phi, kind=kind)
+    lc = LayerCache(kind)
+    outs, s = [], 0
+    for c in chunks:
+        sl = slice(s, s + c)
+        outs.append(lc.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None if phi is None else phi[..., sl]))
+        s += c
+    torch.testing.assert_close(torch.cat(outs, dim=2), ref, atol=1e-5, rtol=1e-5)
+    assert lc.fraction_kept() == 1.0 and lc.capacity == t
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+@pytest.mark.parametrize("margin", [1.0, 3.0])
+def test_eviction_within_bound(kind: str, margin: float) -> None:
+    """Evicted keys carry < exp(-margin) of the full model's softmax mass at every later query, and the
+    outputs move by at most 2 * that mass * max|v|."""
+    gen = torch.Generator().manual_seed(1)
+    b, h, t, d = 2, 2, 160, 8
+    q, k, v = _qkv(b, h, t, d, gen)
+    q, k = 0.5 * q, 0.5 * k  # moderate logits, so the field decides (as in a trained model)
+    phi = _field(kind, b, h, t, gen)
+    assert phi is not None
+    lc = LayerCache(
+        kind, EvictionPolicy(enabled=True, margin=margin, norm_slack=1.0, max_tokens=t, record=True)
+    )
+    # Prefill the first 32 tokens in one chunk so the norm estimates see many tokens, then decode.
+    outs = [lc.attend(q[:, :, :32], k[:, :, :32], v[:, :, :32], phi[..., :32])]
+    for i in range(32, t):
+        sl = slice(i, i + 1)
+        outs.append(lc.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], phi[..., sl]))
+    out = torch.cat(outs, dim=2)
+    assert lc.fraction_kept() < 0.7, "the test field should make eviction bite"
+    assert lc.capacity < t
+
+    # Softmax weights of the full computation, and the mask of keys evicted before each query.
+    scale = 1.0 / math.sqrt(d)
+    w = torch.softmax(scale * q @ k.transpose(-1, -2) + fpa_bias_naive(phi, kind), dim=-1)
+    evicted_before = torch.zeros(b, h, t, t, dtype=torch.bool)  # [.., i, j]: j gone when i is computed
+    for ev in lc.log:
+        evicted_before[ev.batch, ev.head, ev.seen :, ev.pos] = True
+    lost = (w * evicted_before).sum(-1)
+    assert float(lost.max()) < math.exp(-margin)
+    err = (out - fpa_attention_naive(q, k, v, phi, kind=kind)).abs().amax(-1)
+    vmax = v.abs().amax()
+    assert bool((err <= 2 * lost * vmax + 1e-5).all())
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+def test_eviction_never_drops_a_key_above_threshold(kind: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    b, h, t, d = 1, 4, 120, 4
+    q, k, v = _qkv(b, h, t, d, gen)
+    phi = _field(kind, b, h, t, gen)
+    assert phi is not None
+    lc = LayerCache(kind, EvictionPolicy(enabled=True, delta=3.0, record=True))
+    for i in range(t):
+        sl = slice(i, i + 1)
+        lc.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], phi[..., sl])
+        # Every key still cached is at or above the threshold, every evicted one was below it at the
+        # moment it went (the bias computed from scratch by the naive oracle), and stays below later.
+        bias_now = fpa_bias_naive(phi[..., : i + 1], kind)[..., -1, :]  # (B,H,i+1) for query i
+        for hh in range(h):
+            kept = lc.kept_positions(0, hh)
+            assert bool((bias_now[0, hh, kept] >= -3.0).all())
+            gone = sorted(set(range(i + 1)) - set(kept))
+            assert bool((bias_now[0, hh, gone] < -3.0).all())
+    n_ev = sum(len(ev.pos) for ev in lc.log)
+    assert n_ev > 0
+    assert n_ev + lc.kept() == h * t
+
+
+def test_fpa_keeps_old_valley_key_that_fox_would_drop() -> None:
+    """A key in a valley (phi_j below every later phi) keeps bias 0 under fpa, however old."""
+    t = 50
+    phi = torch.cat([torch.tensor([0.0, -10.0]), torch.linspace(-5.0, 5.0, t - 2)])[None, None]
+    q = torch.zeros(1, 1, t, 2)
+    kv = torch.randn(1, 1, t, 2)
+    lc = LayerCache("fpa", EvictionPolicy(enabled=True, delta=2.0))
+    for i in range(t):
+        lc.attend(q[:, :, i : i + 1], kv[:, :, i : i + 1], kv[:, :, i : i + 1], phi[..., i : i + 1])
+    kept = lc.kept_positions()
+    assert 1 in kept  # the valley key
+    assert 0 not in kept  # erased by the dip right after it
+    assert kept[-1] == t - 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model level
+
+
+def _model(kind: str, field: str = "walk", **attn: object):
+    from fpa_model.config import AttentionConfig, ModelConfig
+    from fpa_model.model import GPT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=97,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        max_seq_len=64,
+        attention=AttentionConfig(kind=kind, field=field, impl="naive", **attn),
+    )
+    model = GPT(cfg).eval()
+    # Give the field real structure (the default init is a constant-decay FoX head).
+    with torch.no_grad():
+        for blk in model.blocks:
+            if blk.attn.field_proj is not None:
+                blk.attn.field_proj.weight.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize(
+    "kind,field,extra",
+    [
+        ("fpa", "walk", {}),
+        ("fpa", "direct", {}),
+        ("fpa", "gate", {"qk_norm": True, "output_gate": True}),
+        ("fox", "walk", {}),
+        ("softmax", "walk", {}),
+    ],
+    ids=["fpa-walk", "fpa-direct", "fpa-gate-pro", "fox", "softmax-rope"],
+)
+def test_model_decode_matches_full_forward(kind: str, field: str, extra: dict) -> None:
+    model = _model(kind, field, **extra)
+    idx = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    ref = model(idx)
+    logits, cache = prefill(model, idx[:, :25], chunk_size=8, all_logits=True)
+    steps = [decode_step(model, cache, idx[:, i]) for i in range(25, 40)]
+    got = torch.cat([logits, torch.stack(steps, 1)], dim=1)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert cache.seen == 40
+    assert cache.fraction_kept()["overall"] == 1.0
+
+
+def test_generate_greedy_matches_argmax_of_full_forward() -> None:
+    model = _model("fpa")
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(4))
+    new, cache = generate(model, idx, 6)
+    seq = idx
+    for _ in range(6):
+        seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(new, seq[:, 12:])
+    assert cache.seen == 12 + 5  # the last generated token is not fed back
+
+
+def test_model_eviction_reports_fraction_and_shrinks() -> None:
+    model = _model("fpa")
+    with torch.no_grad():  # a strongly falling field: old keys go quickly
+        for blk in model.blocks:
+            blk.attn.field_proj.bias.fill_(-3.0)
+    idx = torch.randint(0, 97, (1, 60), generator=torch.Generator().manual_seed(5))
+    _, cache = prefill(model, idx, policy=EvictionPolicy(enabled=True), chunk_size=4)
+    frac = cache.fraction_kept()
+    assert len(frac["per_layer"]) == 2
+    assert 0 < frac["overall"] < 0.7
+    assert max(cache.capacity()) < 60
+    softmax = _model("softmax")
+    _, c2 = prefill(softmax, idx, policy=EvictionPolicy(enabled=True), chunk_size=4)
+    assert c2.fraction_kept()["overall"] == 1.0
+    assert isinstance(c2, KVCache)
