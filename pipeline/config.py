@@ -130,7 +130,9 @@ class SlurmConfig:
     account: str | None = None
     qos: str | None = None
     nodes: int = 1
-    tasks_per_node: int = 1  # one torchrun per node; it starts gpus_per_node (or nproc) workers
+    # torchrun agents per node, each starting gpus_per_node (or nproc_per_node) workers. 1 with GPUs;
+    # more on CPU makes one machine act as several torchrun "nodes" (tests the rendezvous).
+    tasks_per_node: int = 1
     gpus_per_node: int = 0
     nproc_per_node: int = 1  # workers per node when gpus_per_node == 0 (CPU runs)
     cpus_per_task: int = 2
@@ -139,6 +141,40 @@ class SlurmConfig:
     signal_seconds: int = 120  # --signal=USR1@N: time to checkpoint before the limit
     extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH" options, as "--key=value"
     env_setup: str = ""  # shell lines run before training (module load, venv activate)
+    prepare_time: str = "01:00:00"  # time limit of the single-process prepare job
+    eval_time: str = "01:00:00"  # time limit of the single-process eval job
+    rdzv_port: int = 0  # torchrun c10d port on the first node; 0: 20000 + job id % 20000 (no clash)
+    rdzv_timeout: int = 900  # seconds the torchrun agents wait for each other at start (init timeout)
+    python: str | None = None  # interpreter on the compute nodes; None: the submitter's sys.executable
+    local_tmp: str = "/tmp"  # node-local scratch: TRITON_CACHE_DIR is <local_tmp>/<user>/triton-<job id>
+    # Exported in every job (one place for NCCL settings); add cluster specifics like NCCL_SOCKET_IFNAME.
+    env: dict[str, str] = field(
+        default_factory=lambda: {
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective raises instead of hanging
+            "NCCL_DEBUG": "WARN",
+            "PYTHONUNBUFFERED": "1",  # logs reach the .out file as they happen
+        }
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "tasks_per_node", "nproc_per_node", "cpus_per_task"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"slurm.{key} must be >= 1; got {getattr(self, key)}")
+        if self.gpus_per_node < 0 or self.signal_seconds < 0:
+            raise ValueError("slurm.gpus_per_node and slurm.signal_seconds must be >= 0")
+        if self.gpus_per_node and self.tasks_per_node != 1:
+            raise ValueError(
+                f"slurm.tasks_per_node must be 1 with GPUs (one torchrun per node starts one worker "
+                f"per GPU); got {self.tasks_per_node}"
+            )
+        if not 0 <= self.rdzv_port < 65536:
+            raise ValueError(f"slurm.rdzv_port must be in [0, 65535]; got {self.rdzv_port}")
+        bad = [o for o in self.extra_sbatch if not o.startswith("--") or "\n" in o]
+        if bad:
+            raise ValueError(f"slurm.extra_sbatch entries must be single '--key=value' options: {bad[0]!r}")
+        bad = [k for k in self.env if not (k.isascii() and k.replace("_", "a").isalnum()) or k[0].isdigit()]
+        if bad:
+            raise ValueError(f"slurm.env has a name that is not a shell variable name: {bad[0]!r}")
 
 
 @dataclass
