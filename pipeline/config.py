@@ -83,27 +83,60 @@ class ParallelConfig:
 
 @dataclass
 class PasskeyConfig:
-    length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4, 8])
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    trials: int = 5
-    digits: int = 5
+    enabled: bool = True  # false: skip the passkey grid (perplexity and report still run)
+    length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4, 8])  # x data.seq_len tokens
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth in [0, 1]
+    trials: int = 5  # prompts (random keys) per (length, depth) cell, decoded as one batch
+    digits: int = 5  # digits of the pass key
+    seed: int = 0  # key sampling seed: the same grid of keys for every run that shares it
+
+    def __post_init__(self) -> None:
+        if self.trials < 1 or self.digits < 1:
+            raise ValueError(f"eval.passkey.trials and digits must be >= 1; got {self.trials}, {self.digits}")
+        if not self.length_multipliers or any(m <= 0 for m in self.length_multipliers):
+            raise ValueError(
+                f"eval.passkey.length_multipliers must be > 0; got {list(self.length_multipliers)}"
+            )
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise ValueError(f"eval.passkey.depths must lie in [0, 1]; got {list(self.depths)}")
 
 
 @dataclass
 class CacheConfig:
-    evict: bool = True
+    evict: bool = True  # also run the passkey grid with FPA/FoX key eviction (softmax never evicts)
     delta: float | None = None  # None: the sound bound 2 max|q| max|k| scale + log N + margin
-    margin: float = 2.0
+    margin: float = 2.0  # evicted keys together carry < exp(-margin) of any later query's softmax mass
+    # Future |q|, |k| are assumed to stay below norm_slack x the largest seen so far (the bound's max|q|).
+    norm_slack: float = 1.25
+    prefill_chunk: int = 128  # prompt tokens per prefill step; keys are evicted between steps
+
+    def __post_init__(self) -> None:
+        if self.norm_slack < 1.0:
+            raise ValueError(f"eval.cache.norm_slack must be >= 1; got {self.norm_slack}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"eval.cache.prefill_chunk must be >= 1; got {self.prefill_chunk}")
 
 
 @dataclass
 class EvalConfig:
-    checkpoint: str | None = None  # None: the run's latest checkpoint / export
+    checkpoint: str | None = None  # None: the run's export (<run_dir>/export), else an export dir
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    ppl_length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4])
-    ppl_bucket: int = 64
-    ppl_sequences: int = 8
+    ppl_length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4])  # x data.seq_len
+    ppl_bucket: int = 64  # positions per bucket of the loss-by-position curve
+    ppl_sequences: int = 8  # windows per length (consecutive validation sequences joined end to end)
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+
+    def __post_init__(self) -> None:
+        if self.ppl_bucket < 1 or self.ppl_sequences < 1:
+            raise ValueError(
+                "eval.ppl_bucket and eval.ppl_sequences must be >= 1; "
+                f"got {self.ppl_bucket}, {self.ppl_sequences}"
+            )
+        if any(m <= 0 for m in self.ppl_length_multipliers):
+            raise ValueError(
+                f"eval.ppl_length_multipliers must be > 0; got {list(self.ppl_length_multipliers)}"
+            )
 
 
 @dataclass
