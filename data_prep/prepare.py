@@ -1,0 +1,315 @@
+"""Corpus -> tokenizer -> webdataset shards + index.json, atomically.
+
+`prepare_data(cfg, out_dir)` builds everything in a temporary directory next to out_dir and swaps it in
+only when complete, so a failure (bad input, disk full, Ctrl-C) leaves a previous good output untouched.
+The same input and config give byte-identical shards, tokenizer and index (no timestamps are stored).
+
+Splits: the train source feeds "train"; "validation" comes from its own source, or (none given) from the
+last `val_fraction` of the train documents. The tokenizer is trained on the train documents only, before
+any synthetic passkey documents are mixed in, so the passkey mix does not change the vocabulary.
+
+Passkey mix (cfg.passkey_mix > 0): round(passkey_mix * n_train_docs) whole passkey documents
+(data_prep.passkey.passkey_documents) are inserted into the train document stream at positions drawn from
+a generator seeded by cfg.seed; their filler count is capped so that a document fits one sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep.config import DataConfig
+from data_prep.errors import DataError
+from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, write_index
+from data_prep.shards import SplitWriter, pick_dtype, tokenize_stream
+from data_prep.sources import describe_source, iter_documents, source_label
+from data_prep.tokenizer import eod_id, read_tokenizer_file, tokenizer_json, train_tokenizer
+
+# What a data directory may contain: anything else means out_dir is not ours to replace.
+_OUR_ENTRIES = {INDEX_FILE, TOKENIZER_FILE, "train", "validation"}
+_PASSKEY_SEED_SALT = 0x9A55
+
+
+def content_config(cfg: DataConfig) -> dict[str, Any]:
+    """The config fields that determine the bytes written (not where they go or how many cores)."""
+    d = dataclasses.asdict(cfg)
+    for k in ("out_dir", "num_workers", "seed", "shuffle_block"):  # seed/shuffle_block: loader-only
+        d.pop(k, None)
+    return d
+
+
+def data_is_current(cfg: DataConfig, out_dir: Path) -> bool:
+    """True when out_dir holds a complete prepared directory made from this config (sources unchanged)."""
+    try:
+        index = load_index(out_dir)
+    except DataError:
+        return False
+    if index.config != content_config(cfg):
+        return False
+    try:
+        return index.sources == _describe_sources(cfg)
+    except DataError:
+        return False
+
+
+def _describe_sources(cfg: DataConfig) -> dict[str, Any]:
+    out = {"train": describe_source(cfg.train)}
+    if cfg.validation is not None:
+        out["validation"] = describe_source(cfg.validation)
+    elif cfg.val_fraction > 0:
+        out["validation"] = {"from_train_fraction": cfg.val_fraction}
+    return out
+
+
+def prepare_data(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Write out_dir/{tokenizer.json, index.json, train/*.tar, validation/*.tar}; return a summary.
+
+    Summary keys: out_dir, splits (per split: documents, passkey_documents, tokens, sequences,
+    dropped_tokens, shards, bytes), tokens, sequences, shards, tokenizer_trained, tokenizer_seconds,
+    seconds, tokens_per_s.
+    """
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        summary = _prepare_into(cfg, tmp, progress=progress)
+        _swap_in(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary["out_dir"] = str(out_dir)
+    return summary
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"data output {out_dir} exists and is not a directory")
+    if out_dir.is_dir():
+        extra = sorted(p.name for p in out_dir.iterdir() if p.name not in _OUR_ENTRIES)
+        if extra:
+            raise DataError(
+                f"refusing to replace {out_dir}: it holds files a data preparation did not make "
+                f"({', '.join(extra[:3])}{'...' if len(extra) > 3 else ''}); choose another data.out_dir"
+            )
+
+
+def _swap_in(tmp: Path, out_dir: Path) -> None:
+    """Replace out_dir by tmp; the old directory is renamed aside first and removed only afterwards."""
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        out_dir.rename(old)
+        try:
+            tmp.rename(out_dir)
+        except BaseException:
+            old.rename(out_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
+
+
+def _count(docs: Iterable[str]) -> int:
+    return sum(1 for _ in docs)
+
+
+def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    if cfg.num_workers > 0:
+        # tokenizers sizes its thread pool from this on first use; later changes have no effect
+        os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_workers))
+
+    def train_source() -> Iterator[str]:
+        return iter_documents(cfg.train, max_doc_chars=cfg.max_doc_chars)
+
+    n_source = _count(train_source())
+    if n_source == 0:
+        raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
+    n_val_from_train = 0
+    if cfg.validation is None and cfg.val_fraction > 0:
+        n_val_from_train = max(1, round(n_source * cfg.val_fraction))
+        if n_val_from_train >= n_source:
+            raise DataError(
+                f"{source_label(cfg.train)}: only {n_source} documents, too few to hold out "
+                f"data.val_fraction={cfg.val_fraction} for validation"
+            )
+    n_train = n_source - n_val_from_train
+
+    def train_docs() -> Iterator[str]:
+        return itertools.islice(train_source(), n_train)
+
+    # Tokenizer: train on the train documents, or take the configured file verbatim.
+    t_tok = time.perf_counter()
+    if cfg.tokenizer.path:
+        raw, tok = read_tokenizer_file(cfg.tokenizer.path)
+        trained = False
+    else:
+        tok = train_tokenizer(train_docs(), cfg.tokenizer, length=n_train, progress=progress)
+        raw = tokenizer_json(tok)
+        trained = True
+    tok_seconds = time.perf_counter() - t_tok
+    where = str(cfg.tokenizer.path) if cfg.tokenizer.path else "the trained tokenizer"
+    eod = eod_id(tok, cfg.tokenizer.eod_token, where)
+    vocab_size = tok.get_vocab_size()
+    dtype = pick_dtype(vocab_size)
+    (root / TOKENIZER_FILE).write_bytes(raw)
+
+    splits: dict[str, Any] = {}
+    stats: dict[str, Any] = {}
+
+    # Train split, with the passkey mix.
+    n_passkey = round(cfg.passkey_mix * n_train)
+    docs: Iterable[str] = train_docs()
+    if n_passkey:
+        docs = _mix_passkey(docs, n_train, n_passkey, cfg, tok)
+    writer = _writer(root, "train", cfg, dtype)
+    _write_split(writer, tok, docs, n_train + n_passkey, eod, dtype, cfg, progress)
+    splits["train"] = writer.close()
+    stats["train"] = {**writer.stats.as_dict(), "passkey_documents": n_passkey}
+    if not splits["train"]:
+        raise DataError(
+            f"{source_label(cfg.train)}: {writer.stats.tokens} tokens do not fill one sequence of "
+            f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
+        )
+
+    # Validation split.
+    val_docs: Iterable[str] | None = None
+    n_val = 0
+    if cfg.validation is not None:
+        n_val = _count(iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars))
+        if n_val == 0:
+            raise DataError(f"{source_label(cfg.validation)}: no text (every document is empty)")
+        val_docs = iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars)
+    elif n_val_from_train:
+        n_val = n_val_from_train
+        val_docs = itertools.islice(train_source(), n_train, None)
+    if val_docs is not None:
+        writer = _writer(root, "validation", cfg, dtype)
+        _write_split(writer, tok, val_docs, n_val, eod, dtype, cfg, progress)
+        splits["validation"] = writer.close()
+        stats["validation"] = {**writer.stats.as_dict(), "passkey_documents": 0}
+        if not splits["validation"]:
+            label = source_label(cfg.validation) if cfg.validation else "the validation documents"
+            raise DataError(
+                f"{label}: {writer.stats.tokens} tokens do not fill one sequence of "
+                f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
+            )
+
+    index = DataIndex(
+        tokenizer_sha256=hashlib.sha256(raw).hexdigest(),
+        vocab_size=vocab_size,
+        seq_len=cfg.seq_len,
+        dtype=dtype,
+        eod_id=eod,
+        sequences_per_member=cfg.sequences_per_member,
+        splits=splits,
+        stats=stats,
+        config=content_config(cfg),
+        sources=_describe_sources(cfg),
+    )
+    write_index(index, root)
+
+    seconds = time.perf_counter() - t0
+    split_summary = {
+        name: {**stats[name], "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+        for name, shards in splits.items()
+    }
+    tokens = sum(s["tokens"] for s in stats.values())
+    return {
+        "splits": split_summary,
+        "tokens": tokens,
+        "sequences": sum(s["sequences"] for s in stats.values()),
+        "shards": sum(len(v) for v in splits.values()),
+        "vocab_size": vocab_size,
+        "tokenizer_trained": trained,
+        "tokenizer_seconds": tok_seconds,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def _writer(root: Path, split: str, cfg: DataConfig, dtype: str) -> SplitWriter:
+    return SplitWriter(
+        root,
+        split,
+        seq_len=cfg.seq_len,
+        dtype=dtype,
+        sequences_per_member=cfg.sequences_per_member,
+        sequences_per_shard=cfg.sequences_per_shard,
+    )
+
+
+def _write_split(
+    writer: SplitWriter,
+    tok: Any,
+    docs: Iterable[str],
+    total_docs: int,
+    eod: int,
+    dtype: str,
+    cfg: DataConfig,
+    progress: bool,
+) -> None:
+    bar = _progress_bar(progress, total_docs, f"tokenize {writer.split}")
+    try:
+        for n_docs, tokens in tokenize_stream(
+            tok, docs, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs
+        ):
+            writer.add_tokens(tokens, n_docs)
+            bar(n_docs)
+    finally:
+        bar(None)
+
+
+def _progress_bar(enabled: bool, total: int, desc: str) -> Callable[[int | None], None]:
+    """A tqdm bar as a callable: bar(n) advances, bar(None) closes; a no-op when disabled."""
+    if not enabled:
+        return lambda n: None
+    from tqdm import tqdm
+
+    t = tqdm(total=total, desc=desc, unit="doc", dynamic_ncols=True)
+
+    def update(n: int | None) -> None:
+        if n is None:
+            t.close()
+        else:
+            t.update(n)
+
+    return update
+
+
+def _mix_passkey(
+    docs: Iterable[str], n_train: int, n_passkey: int, cfg: DataConfig, tok: Any
+) -> Iterator[str]:
+    """The train documents with n_passkey passkey documents inserted at seeded random positions."""
+    from data_prep import passkey
+
+    per_filler = len(tok.encode(" " + passkey.FILLER, add_special_tokens=False).ids)
+    key = 99999  # passkey_documents' default 5 digits; the longest key bounds the fixed part
+    fixed_text = " " + passkey.NEEDLE.format(key=key) + " " + passkey.QUESTION + passkey.answer_text(key)
+    fixed = len(tok.encode(fixed_text, add_special_tokens=False).ids)
+    # the whole document (fillers, needle, question, answer, eod) fits one sequence
+    max_fillers = max(1, (cfg.seq_len - fixed - 1) // max(1, per_filler))
+    extra = passkey.passkey_documents(
+        n_passkey, cfg.seed ^ _PASSKEY_SEED_SALT, min_fillers=1, max_fillers=max_fillers
+    )
+    rng = np.random.default_rng([cfg.seed, _PASSKEY_SEED_SALT])
+    # slot i of the train stream gets the passkey documents whose position is i (before document i)
+    positions = np.sort(rng.integers(0, n_train + 1, size=n_passkey))
+    j = 0
+    for i, d in enumerate(itertools.chain(docs, [None])):
+        while j < n_passkey and positions[j] == i:
+            yield extra[j]
+            j += 1
+        if d is not None:
+            yield d

@@ -1,0 +1,295 @@
+"""Tokenize documents, pack them into fixed-length sequences and write / read webdataset shards.
+
+Packing: every document is followed by the end-of-document token and the token stream is cut into
+non-overlapping sequences of seq_len + 1 tokens (inputs = seq[:-1], targets = seq[1:]); the tail of a
+split that does not fill a sequence is dropped and counted. Documents are not aligned to sequence starts.
+
+Storage: `sequences_per_member` sequences per tar member, as a .npy array of shape (n, seq_len + 1)
+(uint16 when the vocabulary fits, else uint32; never pickled): one member per sequence would cost +50% on
+disk in tar headers and padding. Tar entries get mtime 0 and fixed owner names, so the same tokens give
+byte-identical shards.
+
+Tokenization runs in a producer thread with a small queue: tokenizers' encode_batch releases the GIL and
+spreads a batch over all cores, while the main thread packs and writes the previous batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import queue
+import tarfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from data_prep.errors import DataError
+from data_prep.index import ShardInfo, data_url, is_local
+
+
+def pick_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenization
+
+
+def _batches(docs: Iterable[str], batch_docs: int, batch_chars: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    chars = 0
+    for d in docs:
+        batch.append(d)
+        chars += len(d)
+        if len(batch) >= batch_docs or chars >= batch_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def encode_documents(tok: Tokenizer, docs: list[str], eod: int, dtype: str) -> np.ndarray:
+    """One flat token array: each document's tokens followed by the end-of-document token."""
+    encs = tok.encode_batch(docs, add_special_tokens=False)
+    parts = []
+    tail = np.array([eod], dtype=dtype)
+    for e in encs:
+        parts.append(np.array(e.ids, dtype=dtype))
+        parts.append(tail)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def tokenize_stream(
+    tok: Tokenizer,
+    docs: Iterable[str],
+    *,
+    eod: int,
+    dtype: str,
+    batch_docs: int = 2048,
+    batch_chars: int = 16 << 20,
+    prefetch: int = 2,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(documents, tokens) per batch, tokenized in a producer thread ahead of the consumer."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+    stop = threading.Event()
+    done = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in _batches(docs, batch_docs, batch_chars):
+                if not put((len(batch), encode_documents(tok, batch, eod, dtype))):
+                    return
+            put(done)
+        except BaseException as e:  # handed to the consumer, which re-raises it with its own traceback
+            put(e)
+
+    worker = threading.Thread(target=produce, name="tokenize", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+@dataclass
+class SplitStats:
+    documents: int = 0
+    tokens: int = 0  # tokens in the stream, end-of-document tokens included
+    sequences: int = 0
+    dropped_tokens: int = 0  # the tail that did not fill a sequence
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class SplitWriter:
+    """Packs token batches into sequences and writes them as shards <split_dir>/<split>-NNNNN.tar."""
+
+    def __init__(
+        self,
+        root: Path,
+        split: str,
+        *,
+        seq_len: int,
+        dtype: str,
+        sequences_per_member: int,
+        sequences_per_shard: int,
+    ) -> None:
+        self.root = Path(root)
+        self.split = split
+        self.row = seq_len + 1
+        self.dtype = dtype
+        self.per_member = sequences_per_member
+        self.per_shard = sequences_per_shard
+        (self.root / split).mkdir(parents=True, exist_ok=True)
+        self.shards: list[ShardInfo] = []
+        self.stats = SplitStats()
+        self._carry = np.zeros(0, dtype=dtype)  # tokens not yet forming a whole sequence
+        self._pending: list[np.ndarray] = []  # whole sequences not yet written (fewer than a shard)
+        self._pending_rows = 0
+
+    def add_tokens(self, tokens: np.ndarray, documents: int = 0) -> None:
+        self.stats.documents += documents
+        self.stats.tokens += len(tokens)
+        stream = np.concatenate([self._carry, tokens]) if len(self._carry) else tokens
+        n = len(stream) // self.row
+        self._carry = stream[n * self.row :].copy()
+        if n:
+            self._pending.append(stream[: n * self.row].reshape(n, self.row))
+            self._pending_rows += n
+        while self._pending_rows >= self.per_shard:
+            rows = np.concatenate(self._pending)
+            self._write_shard(rows[: self.per_shard])
+            rest = rows[self.per_shard :]
+            self._pending = [rest] if len(rest) else []
+            self._pending_rows = len(rest)
+
+    def close(self) -> list[ShardInfo]:
+        if self._pending_rows:
+            self._write_shard(np.concatenate(self._pending))
+        self._pending, self._pending_rows = [], 0
+        self.stats.dropped_tokens = len(self._carry)
+        self.stats.sequences = sum(s.sequences for s in self.shards)
+        return self.shards
+
+    def _write_shard(self, rows: np.ndarray) -> None:
+        from webdataset import TarWriter
+
+        i = len(self.shards)
+        rel = f"{self.split}/{self.split}-{i:05d}.tar"
+        path = self.root / rel
+        members = 0
+        with open(path, "wb") as f, TarWriter(f, encoder=False, mtime=0, user="fpa", group="fpa") as w:
+            for m in range(0, len(rows), self.per_member):
+                w.write(
+                    {
+                        "__key__": f"{self.split}-{i:05d}-{members:06d}",
+                        "npy": _npy_bytes(rows[m : m + self.per_member]),
+                    }
+                )
+                members += 1
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.shards.append(
+            ShardInfo(
+                file=rel,
+                sha256=digest,
+                bytes=path.stat().st_size,
+                members=members,
+                sequences=len(rows),
+                tokens=int(rows.size),
+            )
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading
+
+
+class _HashingReader:
+    """A read-only stream wrapper that hashes everything read through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.raw.read(n)
+        self.sha.update(b)
+        self.nbytes += len(b)
+        return b
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def read_shard(
+    data_dir: Path | str,
+    shard: ShardInfo,
+    *,
+    seq_len: int,
+    dtype: str,
+    verify: bool = True,
+    opener: Callable[[str], Any] | None = None,
+) -> np.ndarray:
+    """All sequences of a shard as one (sequences, seq_len + 1) array, read through webdataset.
+
+    The sha256 is computed while streaming (verify=True) and checked at the end; a missing, truncated or
+    altered shard raises DataError naming the file.
+    """
+    from webdataset.gopen import gopen
+    from webdataset.tariterators import tar_file_iterator
+
+    url = data_url(data_dir, shard.file)
+    if is_local(data_dir) and not Path(url).is_file():
+        raise DataError(f"missing shard {url} (listed in index.json)")
+    try:
+        raw = (opener or (lambda u: gopen(u, "rb")))(url)
+    except Exception as e:
+        raise DataError(f"cannot open shard {url}: {str(e).splitlines()[0]}") from None
+    stream = _HashingReader(raw)
+    parts: list[np.ndarray] = []
+    try:
+        for sample in tar_file_iterator(stream):
+            if not sample["fname"].endswith(".npy"):
+                raise DataError(f"shard {url}: unexpected member {sample['fname']!r}")
+            arr = np.load(io.BytesIO(sample["data"]), allow_pickle=False)
+            if arr.dtype != np.dtype(dtype) or arr.ndim != 2 or arr.shape[1] != seq_len + 1:
+                raise DataError(
+                    f"shard {url}: member {sample['fname']} is {arr.dtype}{list(arr.shape)}, "
+                    f"index.json says {dtype}[n, {seq_len + 1}]"
+                )
+            parts.append(arr)
+        stream.drain()
+    except DataError:
+        raise
+    except (tarfile.TarError, ValueError, OSError, EOFError) as e:
+        raise DataError(f"shard {url} is truncated or corrupt ({str(e).splitlines()[0]})") from None
+    finally:
+        close = getattr(raw, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as e:  # a pipe: command that failed reports its exit status on close
+                raise DataError(f"shard {url}: reader failed ({str(e).splitlines()[0]})") from None
+    rows = np.concatenate(parts) if parts else np.zeros((0, seq_len + 1), dtype=dtype)
+    if verify and stream.sha.hexdigest() != shard.sha256:
+        raise DataError(
+            f"shard {url} does not match index.json (sha256 {stream.sha.hexdigest()[:12]}..., "
+            f"expected {shard.sha256[:12]}...; {stream.nbytes} of {shard.bytes} bytes)"
+        )
+    if len(rows) != shard.sequences:
+        raise DataError(f"shard {url} holds {len(rows)} sequences, index.json says {shard.sequences}")
+    return rows
