@@ -1,0 +1,512 @@
+"""Sequence-parallel (context-parallel) FPA: a ring of K/V/phi over ranks and a cross-rank scan of the field.
+
+The W ranks of a sequence-parallel group share one sequence of length T. The sequence is cut into chunks
+of equal length and every rank holds some of them, concatenated in ascending order along the time axis:
+
+- layout "zigzag" (default): 2W chunks; rank r holds chunks r and 2W-1-r (T % 2W == 0). Causal attention
+  then costs every rank the same: at each ring step a rank computes exactly two full chunk pairs (plus the
+  two diagonal tiles at step 0), where the contiguous layout leaves rank 0 idle and rank W-1 doing W pairs.
+- layout "contiguous": W chunks; rank r holds chunk r (T % W == 0).
+
+`shard_sequence` / `unshard_sequence` / `shard_batch` / `local_positions` convert between the full
+sequence and a rank's part. Everything below follows shared/design/FPA.md ("Sequence parallel across
+ranks", "Tiled computation"):
+
+Field. Each rank passes the field increments u of its tokens (field "walk" or "gate": for gate the caller
+already applied logsigmoid, so both are a plain cumulative sum here) or the field values themselves
+(field "direct"). One all-gather of a few scalars per (chunk, batch, head) gives every rank the increment
+totals (-> exclusive scan -> each chunk's global offset of phi), the chunk minima and their argmin
+positions (-> M, the min over every chunk strictly between a key chunk and a query chunk).
+
+Forward. A ring (batch_isend_irecv, the next step's K/V/phi in flight while the current one is computed)
+brings every rank's K, V and phi to every other rank. A query chunk a against an earlier key chunk b uses
+b_ij = min(P_i, S_j, M(b+1..a-1)) - phi_j (fpa), phi_i - phi_j (fox) or 0 (softmax), computed by the
+chunked path's public cross-chunk block; same-chunk pairs use its diagonal block; the partial (out, lse)
+are merged by log-sum-exp. Nothing here is a second attention implementation: the per-pair math is
+fpa_model.ops.fpa.chunked.
+
+Backward. K, V, phi travel the ring again, together with accumulators dK, dV, dphi_K that end up back at
+the owner after W hops. The gradient that reaches M (one scalar per pair, batch and head) is added to a
+(chunks, B, H) buffer at the chunk holding M's argmin; one all-reduce of that buffer (packed with the
+per-chunk totals of dphi, which the reverse scan of walk/gate fields needs) returns it to the rank that
+owns the argmin token. du = reverse cumsum of dphi inside the chunk + the sum of dphi over all later chunks.
+
+Ties follow the chunked path's rule (lowest index wins): chunk minima use the first argmin inside a chunk,
+and M's argmin is the lowest chunk among equal minima.
+
+Works with any torch.distributed backend that has all_gather, all_reduce and batch_isend_irecv (gloo on
+CPU, NCCL on GPU). The group's ranks must all pass tensors of the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from fpa_model.ops.fpa.naive import KINDS
+
+LAYOUTS = ("zigzag", "contiguous")
+_OPS: Any = None  # the chunked path's block functions, imported on first use
+FIELDS = ("walk", "gate", "direct")
+
+# ----------------------------------------------------------------------------------------------------
+# Layout: which chunks of the sequence a rank holds
+
+
+def num_chunks(world: int, layout: str = "zigzag") -> int:
+    """How many equal chunks the sequence is cut into for a group of `world` ranks."""
+    _check_layout(layout)
+    return 2 * world if layout == "zigzag" else world
+
+
+def chunk_ids(rank: int, world: int, layout: str = "zigzag") -> tuple[int, ...]:
+    """The chunk indices rank `rank` holds, ascending (= their order in the rank's local tensors)."""
+    _check_layout(layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a sequence-parallel group of size {world}")
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def check_divisible(seq_len: int, world: int, layout: str = "zigzag") -> int:
+    """The chunk length for seq_len split over `world` ranks; a clear error if it does not split evenly."""
+    n = num_chunks(world, layout)
+    if seq_len % n:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {n} (= the {layout} layout's chunk count for "
+            f"{world} sequence-parallel ranks); pick data.seq_len as a multiple of {n}"
+        )
+    return seq_len // n
+
+
+def shard_sequence(x: Tensor, rank: int, world: int, *, dim: int = 1, layout: str = "zigzag") -> Tensor:
+    """This rank's part of the full sequence x along `dim` (its chunks concatenated in ascending order)."""
+    dim = dim % x.dim()
+    c = check_divisible(x.shape[dim], world, layout)
+    parts = [x.narrow(dim, i * c, c) for i in chunk_ids(rank, world, layout)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def unshard_sequence(parts: Sequence[Tensor], *, dim: int = 1, layout: str = "zigzag") -> Tensor:
+    """Inverse of shard_sequence: the full sequence from every rank's part (parts[r] from rank r)."""
+    world = len(parts)
+    n = num_chunks(world, layout)
+    per_rank = n // world
+    chunks: list[Tensor | None] = [None] * n
+    for r, p in enumerate(parts):
+        d = dim % p.dim()
+        if p.shape[d] % per_rank:
+            raise ValueError(
+                f"part {r} has length {p.shape[d]} along dim {dim}, not a multiple of {per_rank}"
+            )
+        for i, piece in zip(chunk_ids(r, world, layout), p.chunk(per_rank, dim=d)):
+            chunks[i] = piece
+    return torch.cat([c for c in chunks if c is not None], dim=dim)
+
+
+def local_positions(seq_len: int, rank: int, world: int, layout: str = "zigzag") -> Tensor:
+    """Absolute positions (int64, length seq_len / world) of this rank's tokens, e.g. for RoPE."""
+    c = check_divisible(seq_len, world, layout)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(rank, world, layout)])
+
+
+def shard_batch(tokens: Tensor, rank: int, world: int, *, layout: str = "zigzag") -> tuple[Tensor, Tensor]:
+    """(inputs, targets), each (B, T/world), of this rank from a batch of token windows (B, T+1)."""
+    if tokens.dim() != 2:
+        raise ValueError(
+            f"shard_batch expects a (batch, seq_len + 1) token tensor; got shape {tuple(tokens.shape)}"
+        )
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    return (
+        shard_sequence(inputs, rank, world, dim=1, layout=layout),
+        shard_sequence(targets, rank, world, dim=1, layout=layout),
+    )
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence-parallel layout {layout!r}; expected one of {LAYOUTS}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Process groups and the loss
+
+
+def make_groups(sequence_degree: int) -> tuple[Any, Any, int, int, int]:
+    """Split the default world into data-parallel x sequence-parallel groups.
+
+    Ranks of one sequence-parallel group are consecutive (global rank = dp_rank * sp + sp_rank), so on a
+    multi-GPU node the ring stays on the node. Every rank must call this (new_group is collective).
+    Returns (dp_group, sp_group, dp_rank, dp_world, sp_rank); dp_group holds the ranks with the same
+    sp_rank (the ones that average gradients), sp_group the ranks sharing one sequence.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("make_groups needs torch.distributed to be initialized first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if sequence_degree < 1 or world % sequence_degree:
+        raise ValueError(
+            f"parallel.sequence={sequence_degree} must be >= 1 and divide the world size {world}"
+        )
+    sp, dp = sequence_degree, world // sequence_degree
+    dp_group = sp_group = None
+    # Every rank creates every group, in the same order (a collective requirement of new_group).
+    for d in range(dp):
+        g = dist.new_group([d * sp + s for s in range(sp)])
+        if rank // sp == d:
+            sp_group = g
+    for s in range(sp):
+        g = dist.new_group([d * sp + s for d in range(dp)])
+        if rank % sp == s:
+            dp_group = g
+    return dp_group, sp_group, rank // sp, dp, rank % sp
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: all-reduce sum. Backward: identity, so each rank's gradient is its own share of d(sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        y = x.detach().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g, None
+
+
+def sequence_parallel_cross_entropy(
+    logits: Tensor, targets: Tensor, group: Any, *, ignore_index: int = -100, grad_scale: float = 1.0
+) -> Tensor:
+    """Mean token cross-entropy over the whole sequence-parallel group, from this rank's logits/targets.
+
+    The value is the same on every rank of the group (the single-process loss of the full sequences).
+    The backward gives every rank the gradient of that global mean w.r.t. its own logits, so summing
+    parameter gradients over the group gives the single-process gradient. An engine that AVERAGES
+    gradients over all dp x sp ranks (DeepSpeed with the whole world as its data-parallel group) needs
+    grad_scale = sp degree to get the single-process gradient times 1/dp, i.e. the usual dp average.
+    """
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    count = (targets != ignore_index).sum().to(loss_sum.dtype)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        total_sum, total_count = loss_sum, count
+    else:
+        total_sum = _SumOverGroup.apply(loss_sum, group)
+        total_count = count.clone()
+        dist.all_reduce(total_count, group=group)
+    loss = total_sum / total_count.clamp_min(1)
+    if grad_scale != 1.0:
+        # Same value, gradient scaled: keeps logged losses comparable across sp degrees.
+        loss = loss * grad_scale - (loss * (grad_scale - 1.0)).detach()
+    return loss
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ring communication
+
+
+class _Ring:
+    """The ranks of a group arranged in a ring: send to rank+1, receive from rank-1."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = (
+            dist.get_global_rank(group, (self.rank + 1) % self.world)
+            if group
+            else (self.rank + 1) % self.world
+        )
+        self.prev = (
+            dist.get_global_rank(group, (self.rank - 1) % self.world)
+            if group
+            else (self.rank - 1) % self.world
+        )
+
+    def start(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Any]]:
+        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for t, r in zip(tensors, recv):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list[Any]) -> None:
+        for w in works:
+            w.wait()
+
+    def shift(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        recv, works = self.start(tensors)
+        self.wait(works)
+        return recv
+
+
+def _ops() -> Any:
+    global _OPS
+    if _OPS is None:
+        from fpa_model.ops.fpa import chunked
+
+        _OPS = chunked
+    return _OPS
+
+
+def _group_info(group: Any) -> tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1  # a single process without torch.distributed
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The field across ranks
+
+
+def _all_gather_chunks(x: Tensor, group: Any, world: int, layout: str) -> Tensor:
+    """Gather (n_local, ...) per-chunk tensors from every rank into (n_chunks, ...) in chunk order."""
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    out = x.new_empty((num_chunks(world, layout), *x.shape[1:]))
+    for r, p in enumerate(parts):
+        out[list(chunk_ids(r, world, layout))] = p
+    return out
+
+
+def _between_min(minima: Tensor, b: int, a: int) -> tuple[Tensor, int | Tensor | None]:
+    """M = min of the chunk minima strictly between chunks b < a, and the chunk holding it (per B, H)."""
+    if a - b <= 1:
+        return torch.full_like(minima[0], math.inf), None
+    vals, idx = minima[b + 1 : a].min(dim=0)  # first index among ties -> the lowest chunk wins
+    return vals, idx + (b + 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The autograd Function
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        u: Tensor | None,
+        kind: str,
+        field: str,
+        layout: str,
+        group: Any,
+        scale: float,
+        block_size: int,
+    ) -> Tensor:
+        rank, world = _group_info(group)
+        ids = chunk_ids(rank, world, layout)
+        n_local = len(ids)
+        c = q.shape[-2] // n_local
+        has_field = kind != "softmax"
+        cumulative = field in ("walk", "gate")
+
+        phi = minima = argmin = None
+        if has_field:
+            assert u is not None
+            uc = u.detach().float().unflatten(-1, (n_local, c))  # (B,H,n,c)
+            cs = uc.cumsum(-1) if cumulative else uc
+            mn, am = cs.min(dim=-1)  # first index among ties
+            tot = cs[..., -1] if cumulative else torch.zeros_like(mn)
+            stats = torch.stack([tot, mn, am.to(mn.dtype)], dim=-1).permute(2, 0, 1, 3)  # (n,B,H,3)
+            g = _all_gather_chunks(stats, group, world, layout)  # (N,B,H,3)
+            offsets = torch.cumsum(g[..., 0], dim=0) - g[..., 0]  # exclusive scan of the totals
+            minima = g[..., 1] + offsets
+            argmin = g[..., 2].round().long()
+            phi = (cs + offsets[list(ids)].permute(1, 2, 0)[..., None]).flatten(-2)  # (B,H,Tl) global values
+
+        ring = _Ring(group) if world > 1 else None
+        qs = q.split(c, dim=-2)
+        phis_q = phi.split(c, dim=-1) if phi is not None else [None] * n_local
+        acc: list[tuple[Tensor, Tensor] | None] = [None] * n_local
+        travel = [k, v] + ([phi] if phi is not None else [])
+        for step in range(world):
+            src = (rank - step) % world
+            pending = ring.start(travel) if ring is not None and step < world - 1 else None
+            kk, vv = travel[0].split(c, dim=-2), travel[1].split(c, dim=-2)
+            pk = travel[2].split(c, dim=-1) if phi is not None else [None] * n_local
+            for ia, a in enumerate(ids):
+                for ib, b in enumerate(chunk_ids(src, world, layout)):
+                    if b > a:
+                        continue
+                    if b == a:
+                        o, lse = _ops().diagonal_forward(
+                            qs[ia], kk[ib], vv[ib], phis_q[ia], kind=kind, scale=scale, block_size=block_size
+                        )
+                    else:
+                        m = _between_min(minima, b, a)[0] if kind == "fpa" else None
+                        o, lse = _ops().cross_forward(
+                            qs[ia], kk[ib], vv[ib], phis_q[ia], pk[ib], m,
+                            kind=kind, scale=scale, block_size=block_size,
+                        )  # fmt: skip
+                    acc[ia] = (o, lse) if acc[ia] is None else _ops().merge_partials(*acc[ia], o, lse)
+            if pending is not None:
+                ring.wait(pending[1])
+                travel = pending[0]
+
+        out = torch.cat([a[0] for a in acc], dim=-2)  # type: ignore[index]
+        lse = torch.cat([a[1] for a in acc], dim=-1)  # type: ignore[index]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, phi, out, lse, minima, argmin)
+        ctx.meta = (kind, field, layout, group, scale, block_size, u is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, phi, out, lse, minima, argmin = ctx.saved_tensors
+        kind, field, layout, group, scale, block_size, has_u = ctx.meta
+        rank, world = _group_info(group)
+        ids = chunk_ids(rank, world, layout)
+        n_local = len(ids)
+        c = q.shape[-2] // n_local
+        has_field = phi is not None
+        ring = _Ring(group) if world > 1 else None
+        n_all = num_chunks(world, layout)
+
+        qs, outs, douts = q.split(c, -2), out.split(c, -2), dout.contiguous().split(c, -2)
+        lses = lse.split(c, -1)
+        phis_q = phi.split(c, dim=-1) if has_field else [None] * n_local
+        dq = [torch.zeros_like(t, dtype=torch.float32) for t in qs]
+        dphi_q = [torch.zeros_like(t) for t in phis_q] if has_field else None
+        dm_buf = torch.zeros_like(minima) if kind == "fpa" else None  # (N,B,H)
+
+        travel = [k, v] + ([phi] if has_field else [])
+        grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        if has_field:
+            grads.append(torch.zeros_like(phi))
+        for step in range(world):
+            src = (rank - step) % world
+            pending = ring.start(travel) if ring is not None and step < world - 1 else None
+            kk, vv = travel[0].split(c, -2), travel[1].split(c, -2)
+            pk = travel[2].split(c, -1) if has_field else [None] * n_local
+            gk, gv = grads[0].split(c, -2), grads[1].split(c, -2)  # views: += writes through
+            gp = grads[2].split(c, -1) if has_field else None
+            for ia, a in enumerate(ids):
+                for ib, b in enumerate(chunk_ids(src, world, layout)):
+                    if b > a:
+                        continue
+                    if b == a:
+                        r = _ops().diagonal_backward(
+                            douts[ia], qs[ia], kk[ib], vv[ib], phis_q[ia], outs[ia], lses[ia],
+                            kind=kind, scale=scale, block_size=block_size,
+                        )  # fmt: skip
+                        dqa, dkb, dvb, dphia = r[:4]
+                        dphib = dm = None
+                    else:
+                        m, m_at = _between_min(minima, b, a) if kind == "fpa" else (None, None)
+                        r = _ops().cross_backward(
+                            douts[ia], qs[ia], kk[ib], vv[ib], phis_q[ia], pk[ib], m, outs[ia], lses[ia],
+                            kind=kind, scale=scale, block_size=block_size,
+                        )  # fmt: skip
+                        dqa, dkb, dvb, dphia, dphib, dm = r[:6]
+                        if dm is not None and m_at is not None:
+                            dm_buf.scatter_add_(0, m_at[None], dm.float()[None])
+                    dq[ia] += dqa
+                    gk[ib].add_(dkb)
+                    gv[ib].add_(dvb)
+                    if has_field:
+                        if dphia is not None:
+                            dphi_q[ia] += dphia
+                        if dphib is not None:
+                            gp[ib].add_(dphib)
+            if ring is not None:
+                grads = ring.shift(grads)  # the accumulators follow their keys; after W hops they are home
+            if pending is not None:
+                ring.wait(pending[1])
+                travel = pending[0]
+
+        dq_t = torch.cat(dq, dim=-2).to(q.dtype)
+        dk_t, dv_t = grads[0].to(k.dtype), grads[1].to(v.dtype)
+        du = None
+        if has_field and has_u:
+            dphi = grads[2] + torch.cat(dphi_q, dim=-1)
+            dphi_c = dphi.unflatten(-1, (n_local, c))  # (B,H,n,c)
+            cumulative = field in ("walk", "gate")
+            if kind == "fpa" or cumulative:
+                # One all-reduce returns the M gradients to the argmin owners and shares the chunk totals.
+                buf = dphi.new_zeros((n_all, *dphi.shape[:2], 2))
+                if dm_buf is not None:
+                    buf[..., 0] = dm_buf
+                buf[list(ids), ..., 1] = dphi_c.sum(-1).permute(2, 0, 1)
+                if world > 1:
+                    dist.all_reduce(buf, group=group)
+                if dm_buf is not None:
+                    own = buf[list(ids), ..., 0].permute(1, 2, 0)  # (B,H,n)
+                    at = argmin[list(ids)].permute(1, 2, 0)  # (B,H,n) index inside the chunk
+                    dphi_c = dphi_c.scatter_add(-1, at[..., None], own[..., None])
+                if cumulative:
+                    totals = buf[..., 0] + buf[..., 1]  # (N,B,H) dphi per chunk after routing
+                    later = totals.flip(0).cumsum(0).flip(0) - totals  # sum over strictly later chunks
+                    rev = dphi_c.flip(-1).cumsum(-1).flip(-1)
+                    dphi_c = rev + later[list(ids)].permute(1, 2, 0)[..., None]
+            du = dphi_c.flatten(-2)
+        return dq_t, dk_t, dv_t, du, None, None, None, None, None, None
+
+
+def context_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u_or_phi: Tensor | None,
+    *,
+    kind: str = "fpa",
+    field: str = "walk",
+    group: Any = None,
+    scale: float | None = None,
+    block_size: int = 64,
+    layout: str = "zigzag",
+) -> Tensor:
+    """Causal FPA / FoX / softmax attention of a sequence split over the ranks of `group`.
+
+    Each rank passes its part of the sequence (see the module docstring for the layouts):
+    q, k, v (B, H, T/W, D) and u_or_phi (B, H, T/W): the field increments for field "walk" / "gate"
+    (gate: the logsigmoid values, as Attention.project returns them) or the field values for "direct";
+    None (or ignored) for kind "softmax". Returns this rank's output (B, H, T/W, D) in q's dtype, equal
+    to the single-process attention over the whole sequence. Differentiable w.r.t. q, k, v and u_or_phi.
+    group None: the default world group (or a single process without torch.distributed).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
+    if field not in FIELDS:
+        raise ValueError(f"unknown field mode {field!r}; expected one of {FIELDS}")
+    _check_layout(layout)
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"q, k, v must be (B, H, T_local, D) with equal shapes; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if kind != "softmax":
+        if u_or_phi is None:
+            raise ValueError(f"kind {kind!r} needs the field (increments or values), got None")
+        if u_or_phi.shape != q.shape[:-1]:
+            raise ValueError(
+                f"u_or_phi must be (B, H, T_local) = {tuple(q.shape[:-1])}; got {tuple(u_or_phi.shape)}"
+            )
+    else:
+        u_or_phi = None
+    rank, world = _group_info(group)
+    n_local = num_chunks(world, layout) // world
+    if q.shape[-2] % n_local:
+        raise ValueError(
+            f"local sequence length {q.shape[-2]} must be divisible by {n_local} ({layout} layout: each rank "
+            f"holds {n_local} chunks); shard with fpa_model.context_parallel.shard_sequence"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _ContextParallelAttention.apply(q, k, v, u_or_phi, kind, field, layout, group, scale, block_size)

@@ -1,0 +1,263 @@
+"""Sequence-parallel FPA: W spawned gloo ranks vs one process running the naive oracle.
+
+Spawning ranks is the slow part (each imports torch), so one spawn per world size runs every case and
+writes per-case errors to JSON; the parametrized tests below only read those numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fpa_model.context_parallel import (
+    chunk_ids,
+    context_parallel_attention,
+    local_positions,
+    make_groups,
+    shard_batch,
+    shard_sequence,
+    unshard_sequence,
+)
+from fpa_model.ops.fpa.naive import fpa_attention_naive
+
+TOL = 1e-4  # fp32 ranks vs a float64 oracle, errors relative to the largest reference entry
+SEQ = 48  # divisible by 2W for W = 2, 4 (zigzag) and gives chunks of 6 or 12 tokens
+BLOCK = 5  # smaller than a chunk and not dividing it: exercises the chunked path's ragged tiles
+FIELD_CASES = [("fpa", f) for f in ("walk", "gate", "direct")] + [
+    ("fox", f) for f in ("walk", "gate", "direct")
+]
+CASES = [
+    (layout, kind, field)
+    for layout in ("zigzag", "contiguous")
+    for kind, field in [*FIELD_CASES, ("softmax", "walk")]
+]
+
+
+def _case_id(world: int, layout: str, kind: str, field: str) -> str:
+    return f"W{world}-{layout}-{kind}-{field if kind != 'softmax' else 'nofield'}"
+
+
+def _make_inputs(kind: str, field: str, seed: int, seq: int = SEQ) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    b, h, d = 2, 2, 8
+    t = {
+        name: torch.randn(b, h, seq, d, generator=g, dtype=torch.float64) for name in ("q", "k", "v", "dout")
+    }
+    # walk: a signed random walk whose dips land on every rank (M and its argmin cross rank borders);
+    # gate: pre-activations of the log forget gate; direct: the field itself.
+    t["pre"] = torch.randn(b, h, seq, generator=g, dtype=torch.float64) * (2.0 if field == "direct" else 1.0)
+    return t
+
+
+def _field_of(pre: torch.Tensor, field: str) -> torch.Tensor:
+    return F.logsigmoid(pre) if field == "gate" else pre
+
+
+def _reference(t: dict[str, torch.Tensor], kind: str, field: str) -> dict[str, torch.Tensor]:
+    leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
+    u = _field_of(leaves["pre"], field)
+    phi = u.cumsum(-1) if field in ("walk", "gate") else u
+    out = fpa_attention_naive(
+        leaves["q"], leaves["k"], leaves["v"], None if kind == "softmax" else phi, kind=kind
+    )
+    out.backward(t["dout"])
+    res = {"out": out.detach()}
+    for n, leaf in leaves.items():
+        if leaf.grad is not None:
+            res["d" + n] = leaf.grad
+    return res
+
+
+def _run_case(rank: int, world: int, layout: str, kind: str, field: str, seed: int) -> dict[str, float]:
+    t = _make_inputs(kind, field, seed)
+    ref = _reference(t, kind, field)
+    loc = {
+        n: shard_sequence(t[n].float(), rank, world, dim=2, layout=layout)
+        for n in ("q", "k", "v", "pre", "dout")
+    }
+    leaves = {n: loc[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
+    u = None if kind == "softmax" else _field_of(leaves["pre"], field)
+    out = context_parallel_attention(
+        leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field=field, group=None, block_size=BLOCK,
+        layout=layout,
+    )  # fmt: skip
+    out.backward(loc["dout"])
+    got = {"out": out.detach()} | {"d" + n: leaf.grad for n, leaf in leaves.items() if leaf.grad is not None}
+    errs: dict[str, float] = {}
+    for name, r in ref.items():
+        if name not in got or got[name] is None:
+            errs[name] = float("inf")  # a gradient the oracle has but the ring lost
+            continue
+        r_loc = shard_sequence(r, rank, world, dim=2, layout=layout)
+        errs[name] = float((got[name].double() - r_loc).abs().max() / r.abs().max().clamp_min(1e-12))
+    return errs
+
+
+def _check_groups(rank: int, world: int) -> dict[str, list[int]]:
+    """make_groups(2) on this world: the members each rank sees, to compare with the rank arithmetic."""
+    dp_group, sp_group, dp_rank, dp_world, sp_rank = make_groups(2)
+    ranks = torch.tensor([rank])
+    sp_members = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(sp_group))]
+    dist.all_gather(sp_members, ranks, group=sp_group)
+    dp_members = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(dp_group))]
+    dist.all_gather(dp_members, ranks, group=dp_group)
+    return {
+        "sp": [int(x) for x in sp_members],
+        "dp": [int(x) for x in dp_members],
+        "ids": [dp_rank, dp_world, sp_rank],
+    }
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, extra: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    results: dict[str, object] = {}
+    for i, (layout, kind, field) in enumerate(CASES):
+        cid = _case_id(world, layout, kind, field)
+        try:
+            results[cid] = _run_case(rank, world, layout, kind, field, seed=100 + i)
+        except Exception:  # recorded per case so one failure does not hide the others
+            results[cid] = {"error": traceback.format_exc(limit=4)}
+    if world == 4:
+        results["groups"] = _check_groups(rank, world)
+    for name in extra:
+        try:
+            results[name] = globals()[name](rank, world)
+        except Exception:
+            results[name] = {"error": traceback.format_exc(limit=6)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+_CACHE: dict[int, list[dict]] = {}
+
+
+def _spawn(world: int, tmp_root: Path, extra: tuple[str, ...] = ()) -> list[dict]:
+    if world not in _CACHE:
+        import torch.multiprocessing as mp
+
+        d = tmp_root / f"w{world}"
+        d.mkdir(parents=True, exist_ok=True)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        mp.spawn(_worker, args=(world, str(d / "rdzv"), str(d), list(extra)), nprocs=world, join=True)
+        _CACHE[world] = [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
+    return _CACHE[world]
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cp")
+
+
+def _max_errors(results: list[dict], cid: str) -> dict[str, float]:
+    merged: dict[str, float] = {}
+    for rank, res in enumerate(results):
+        r = res[cid]
+        if "error" in r:
+            pytest.fail(f"rank {rank} raised in {cid}:\n{r['error']}")
+        for k, v in r.items():
+            merged[k] = max(merged.get(k, 0.0), v)
+    return merged
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("layout", "kind", "field"), CASES, ids=[f"{a}-{b}-{c}" for a, b, c in CASES])
+def test_ring_matches_single_process(world: int, layout: str, kind: str, field: str, tmp_root: Path) -> None:
+    extra = ("_gpt_sp_step",) if world == 2 and "_gpt_sp_step" in globals() else ()
+    errs = _max_errors(_spawn(world, tmp_root, extra), _case_id(world, layout, kind, field))
+    expected = {"out", "dq", "dk", "dv"} | (set() if kind == "softmax" else {"dpre"})
+    assert set(errs) == expected
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, f"relative errors over {TOL}: {bad}"
+
+
+@pytest.mark.distributed
+def test_make_groups_layout(tmp_root: Path) -> None:
+    results = _spawn(4, tmp_root)
+    for rank, res in enumerate(results):
+        g = res["groups"]
+        dp_rank, sp_rank = rank // 2, rank % 2
+        assert sorted(g["sp"]) == [2 * dp_rank, 2 * dp_rank + 1]  # consecutive ranks share a sequence
+        assert sorted(g["dp"]) == [sp_rank, sp_rank + 2]
+        assert g["ids"] == [dp_rank, 2, sp_rank]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Single-process checks (no spawn)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_roundtrip(world: int, layout: str) -> None:
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    parts = [shard_sequence(x, r, world, dim=1, layout=layout) for r in range(world)]
+    assert all(p.shape == (2, 24 // world, 3) for p in parts)
+    assert torch.equal(unshard_sequence(parts, dim=1, layout=layout), x)
+    pos = [local_positions(24, r, world, layout) for r in range(world)]
+    assert torch.equal(torch.cat(pos).sort().values, torch.arange(24))
+    for r in range(world):
+        assert torch.equal(parts[r][0, :, 0], x[0, pos[r], 0])
+
+
+def test_zigzag_balances_causal_work() -> None:
+    """Every rank computes the same number of query-key chunk pairs (contiguous: rank W-1 does W)."""
+    for world in (2, 4, 8):
+        work = []
+        for r in range(world):
+            mine = chunk_ids(r, world, "zigzag")
+            work.append(sum(b < a for a in mine for s in range(world) for b in chunk_ids(s, world, "zigzag")))
+        assert len(set(work)) == 1, work
+    assert chunk_ids(1, 4, "zigzag") == (1, 6)
+
+
+def test_shard_batch_targets_are_next_tokens() -> None:
+    tokens = torch.arange(2 * 17).reshape(2, 17)  # T = 16
+    for r in range(2):
+        x, y = shard_batch(tokens, r, 2, layout="zigzag")
+        assert x.shape == y.shape == (2, 8)
+        assert torch.equal(y, x + 1)
+        assert torch.equal(x[0], local_positions(16, r, 2, "zigzag"))
+
+
+def test_not_divisible_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="not divisible by 4"):
+        shard_sequence(torch.zeros(1, 10), 0, 2, dim=1, layout="zigzag")
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        shard_sequence(torch.zeros(1, 10), 0, 3, dim=1, layout="contiguous")
+    with pytest.raises(ValueError, match="unknown sequence-parallel layout"):
+        shard_sequence(torch.zeros(1, 8), 0, 2, dim=1, layout="ring")
+    q = torch.zeros(1, 1, 7, 4)
+    with pytest.raises(ValueError, match="divisible by 2"):
+        context_parallel_attention(q, q, q, torch.zeros(1, 1, 7), kind="fpa", layout="zigzag")
+
+
+def test_bad_arguments() -> None:
+    q = torch.zeros(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="needs the field"):
+        context_parallel_attention(q, q, q, None, kind="fpa")
+    with pytest.raises(ValueError, match="unknown field mode"):
+        context_parallel_attention(q, q, q, torch.zeros(1, 1, 8), kind="fpa", field="sum")
+    with pytest.raises(ValueError, match="u_or_phi must be"):
+        context_parallel_attention(q, q, q, torch.zeros(1, 1, 4), kind="fox")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize(("kind", "field"), [*FIELD_CASES, ("softmax", "walk")])
+def test_single_process_matches_oracle(kind: str, field: str, layout: str) -> None:
+    """world 1 (no torch.distributed): the diagonal and cross blocks of one rank's two zigzag chunks."""
+    errs = _run_case(0, 1, layout, kind, field, seed=7)
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, f"relative errors over {TOL}: {bad}"
