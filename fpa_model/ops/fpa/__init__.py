@@ -1,14 +1,37 @@
 """The FPA attention family (fpa | fox | softmax): naive reference, chunked PyTorch path, Triton kernel.
 
-`fpa_attention` is the one entry point the model calls; `impl` picks the implementation
-("auto": Triton on CUDA tensors, the chunked PyTorch path elsewhere).
+`fpa_attention` is the one entry point the model calls; `impl` picks the implementation:
+- "naive":   the T x T oracle (naive.py), autograd through plain tensor ops; tests only.
+- "chunked": flash-style PyTorch path with O(T) memory and a custom backward (chunked.py).
+- "triton":  the fused kernel (triton_kernel.py); errors clearly if Triton cannot run here.
+- "auto":    Triton for CUDA tensors when it imports, the chunked path everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fpa_model.ops.fpa.chunked import chunked_fpa_attention
 from fpa_model.ops.fpa.naive import KINDS, fpa_attention_naive, fpa_bias_naive
+
+IMPLS = ("auto", "naive", "chunked", "triton")
+
+
+def _load_triton():
+    """The Triton entry point, or an ImportError/RuntimeError saying why it is unavailable."""
+    from fpa_model.ops.fpa.triton_kernel import fpa_attention_triton  # lazy: triton is heavy to import
+
+    return fpa_attention_triton
+
+
+def _triton_usable(q: torch.Tensor) -> bool:
+    if not q.is_cuda:
+        return False
+    try:
+        _load_triton()
+    except Exception:  # missing module or broken triton install: auto falls back to the chunked path
+        return False
+    return True
 
 
 def fpa_attention(
@@ -22,10 +45,40 @@ def fpa_attention(
     impl: str = "auto",
     block_size: int = 64,
 ) -> torch.Tensor:
-    """Causal attention of q (B,H,Tq,D) over k, v (B,H,Tk,D) with the field phi (B,H,Tk)."""
-    if impl == "naive" or impl == "auto":  # chunked and triton paths land in their own modules
+    """Causal attention of q (B,H,Tq,D) over k, v (B,H,Tk,D) with the field phi (B,H,Tk).
+
+    Queries are the last Tq key positions. `block_size` is the tile size of the chunked path (the Triton
+    kernel picks its own tiles).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
+    if impl == "auto":
+        impl = "triton" if _triton_usable(q) else "chunked"
+    if impl == "naive":
         return fpa_attention_naive(q, k, v, phi, kind=kind, scale=scale)
-    raise ValueError(f"unknown attention impl {impl!r}")
+    if impl == "chunked":
+        return chunked_fpa_attention(q, k, v, phi, kind=kind, scale=scale, block_size=block_size)
+    try:
+        fn = _load_triton()
+    except Exception as e:
+        raise RuntimeError(
+            f"attention impl 'triton' is unavailable here ({type(e).__name__}: {e}); "
+            "use impl='chunked' (or 'auto') on machines without a working Triton"
+        ) from e
+    if phi is None:
+        if kind != "softmax":
+            raise ValueError(f"kind {kind!r} needs a field phi")
+        phi = q.new_zeros(k.shape[:-1])
+    return fn(q, k, v, phi, kind=kind, scale=scale)
 
 
-__all__ = ["KINDS", "fpa_attention", "fpa_attention_naive", "fpa_bias_naive"]
+__all__ = [
+    "IMPLS",
+    "KINDS",
+    "chunked_fpa_attention",
+    "fpa_attention",
+    "fpa_attention_naive",
+    "fpa_bias_naive",
+]
