@@ -54,6 +54,9 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16
     nan_policy: str = "skip"  # skip (drop the step, record it) | stop
     max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss
+    adam_eps: float = 1e-8
+    # MFU denominator per rank in FLOP/s (e.g. 989e12 for H100 bf16); None: a measured matmul peak.
+    peak_flops_per_rank: float | None = None
     log_every: int = 10
     val_every: int = 50
     val_batches: int = 8
