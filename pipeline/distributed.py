@@ -1,0 +1,160 @@
+"""Process-group set-up for every way a training job starts.
+
+Launchers and what they set:
+- torchrun / the `deepspeed` launcher: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+- srun (one task per rank): SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID;
+  we derive the torch variables from them (master = first node of the allocation).
+- a bare `python`: nothing; we run as a single process on a free local port.
+
+NCCL on CUDA, gloo on CPU. On CPU, DeepSpeed would JIT-compile its shared-memory all-reduce op with g++
+(about 35 s) although training never uses it; we skip that build.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import subprocess
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    launcher: str  # torchrun | slurm | single
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first hostname of a Slurm nodelist ("node[01-04],gpu7" -> "node01")."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # Fallback parser for the common "prefix[a-b,c]" form when scontrol is not on PATH.
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        first = rest.rstrip("]").split(",")[0].split("-")[0]
+        return prefix + first
+    return head
+
+
+def setup_env() -> str:
+    """Fill RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the launcher; return its name."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        env.setdefault("LOCAL_RANK", env.get("LOCAL_RANK", "0"))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        env.setdefault("MASTER_ADDR", _first_slurm_host(nodelist))
+        # A port every task computes alike from the job id, so no exchange is needed.
+        job = env.get("SLURM_JOB_ID", "0")
+        env.setdefault("MASTER_PORT", str(20000 + zlib.crc32(job.encode()) % 20000))
+        return "slurm"
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    return "single"
+
+
+def skip_cpu_shm_build() -> None:
+    """Stop DeepSpeed from compiling its CPU shm all-reduce op (inference-only) at init."""
+    # The module object must come from importlib: `import deepspeed.comm.torch` binds a different name.
+    mod = importlib.import_module("deepspeed.comm.torch")
+    mod.build_shm_op = lambda: None
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+    """Initialize torch.distributed through DeepSpeed for the current launcher; idempotent."""
+    import deepspeed
+
+    launcher = setup_env()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        skip_cpu_shm_build()
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return DistInfo(rank, local_rank, world, device, backend, launcher)
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank src's Python object on every rank (a no-op without a process group)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_max(value: float) -> float:
+    """The max of a float over ranks (any rank stopping must stop them all)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    nccl = torch.distributed.get_backend() == "nccl"
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if nccl else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def destroy() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -1,0 +1,621 @@
+"""Pretraining under DeepSpeed ZeRO: `train(cfg)` runs on every rank and returns a summary dict.
+
+    torchrun --nproc_per_node 2 -m pipeline.train configs/tiny.yaml train.max_steps=100
+    python -m pipeline.train configs/tiny.yaml            # one process
+
+What it guarantees:
+- exact resume: model, optimizer, step, tokens, per-rank RNG and the loader cursor come back from the
+  latest complete checkpoint (train.checkpoint.resume: auto), so a killed run continues on the same
+  loss curve; on a different number of ranks the checkpoint is converted to DeepSpeed's universal format.
+- preemption: SIGTERM / SIGUSR1 -> checkpoint at the next step boundary -> exit code 75 (EX_TEMPFAIL);
+  under Slurm rank 0 runs `scontrol requeue $SLURM_JOB_ID` first (override: FPA_REQUEUE_CMD).
+- non-finite losses are never silent: every rank agrees before backward, then the step is skipped (no
+  optimizer update, counted) or training stops with an error (train.nan_policy).
+- the learning rate is a pure function of the step (warmup + cosine), so it needs no scheduler state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fpa_model.model import GPT
+from pipeline import checkpoint as ckpt_lib
+from pipeline import distributed as dist_utils
+from pipeline.config import ConfigError, Derived, RunConfig, TrainConfig, derive, load_config, to_yaml
+from pipeline.logging import make_logger
+
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: "try again later"; launch scripts requeue on it
+REQUEUE_ENV = "FPA_REQUEUE_CMD"  # e.g. "echo {job_id} >> requeued.txt" in tests
+NAN_TEST_ENV = "FPA_TEST_NAN_STEP"  # tests: make the loss of this step non-finite on the last rank
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (non-finite losses under nan_policy=stop, too many skipped steps)."""
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is written; exits the process with EXIT_PREEMPTED."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedule, DeepSpeed config, FLOPs
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to lr * min_lr_ratio."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    span = max(1, tc.max_steps - tc.warmup_steps)
+    progress = min(1.0, (step - tc.warmup_steps) / span)
+    min_lr = tc.lr * tc.min_lr_ratio
+    return min_lr + (tc.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -> dict[str, Any]:
+    tc = cfg.train
+    ds: dict[str, Any] = {
+        "train_batch_size": d.global_batch,
+        "train_micro_batch_size_per_gpu": d.micro_batch,
+        "gradient_accumulation_steps": d.grad_accum,
+        "gradient_clipping": tc.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            # torch_adam: the plain torch AdamW, so nothing JIT-compiles (FusedAdam / CPUAdam would).
+            "params": {
+                "lr": tc.lr,
+                "betas": list(tc.betas),
+                "eps": tc.adam_eps,
+                "weight_decay": tc.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "zero_optimization": {"stage": tc.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": load_universal},
+    }
+    if tc.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+        # bf16 gradient accumulation drifts; accumulate in fp32 (ENVIRONMENT.md).
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (embeddings included, as in FoX); none on norms, biases, gains."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Achieved FLOP/s of a square matmul on this device: the MFU denominator when none is configured."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < 0.2:
+        a @ b
+        reps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+
+
+LoaderFactory = Callable[[RunConfig, str, int, int], Any]
+
+
+def default_loader(cfg: RunConfig, split: str, dp_rank: int, dp_world: int) -> Any:
+    from data_prep.loader import ShardLoader
+
+    return ShardLoader(
+        cfg.data_dir,
+        split,
+        micro_batch=cfg.train.micro_batch,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        seed=cfg.data.seed,
+    )
+
+
+def batch_to_xy(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets from a loader batch: (x, y), {"input_ids", "labels"} or (B, T+1) rows."""
+    if isinstance(batch, dict):
+        if "input_ids" in batch and "labels" in batch:
+            x, y = batch["input_ids"], batch["labels"]
+        else:
+            rows = batch.get("tokens")
+            if rows is None:
+                raise TypeError(f"a loader batch dict needs input_ids+labels or tokens; got {list(batch)}")
+            x, y = rows[:, :-1], rows[:, 1:]
+    elif isinstance(batch, tuple | list) and len(batch) == 2:
+        x, y = batch
+    else:
+        rows = torch.as_tensor(np.asarray(batch)) if not isinstance(batch, torch.Tensor) else batch
+        x, y = rows[:, :-1], rows[:, 1:]
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    return x.to(device=device, dtype=torch.long), y.to(device=device, dtype=torch.long)
+
+
+class _Batches:
+    """next() over a loader, starting a new pass when one ends (the loader decides the epoch order)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.it: Iterator[Any] = iter(loader)
+
+    def next(self) -> Any:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            try:
+                return next(self.it)
+            except StopIteration:
+                raise TrainingError("the training loader yields no batches") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Preemption
+
+
+class _StopFlag:
+    """SIGTERM / SIGUSR1 set a flag; the loop checks it (across ranks) at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            # Outside the main thread (an embedding app) signals cannot be caught: no preemption handling.
+            with contextlib.suppress(ValueError):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+def requeue_slurm_job() -> str | None:
+    """Under Slurm, ask for this job to be requeued; returns the command run (None outside Slurm)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    template = os.environ.get(REQUEUE_ENV, "scontrol requeue {job_id}")
+    cmd = template.format(job_id=job)
+    try:
+        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            print(f"[train] requeue failed ({cmd}): {proc.stderr.strip()}", file=sys.stderr, flush=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"[train] requeue failed ({cmd}): {e}", file=sys.stderr, flush=True)
+    return cmd
+
+
+# ----------------------------------------------------------------------------------------------------
+# Skipping a step without an update
+
+
+def _discard_step(engine: Any) -> None:
+    """Run engine.step() at the accumulation boundary, but drop the gradients instead of updating.
+
+    DeepSpeed's own overflow skip exists only for some ZeRO stages / precisions; this one works the same
+    for all: step counters advance (so accumulation stays aligned), weights and optimizer state do not.
+    """
+
+    def discard(lr_kwargs: Any = None) -> None:
+        opt = engine.optimizer
+        try:
+            opt.zero_grad(set_to_none=True)
+        except TypeError:
+            opt.zero_grad()
+        if hasattr(opt, "clear_hp_grads"):  # bf16 optimizer: fp32 accumulation buffers
+            opt.clear_hp_grads()
+        avg = getattr(opt, "averaged_gradients", None)
+        if isinstance(avg, dict):  # ZeRO 1-3 partitioned gradients
+            for k in list(avg):
+                avg[k] = None
+        engine.skipped_steps += 1
+        engine.global_steps += 1
+        engine.global_samples += engine.train_batch_size()
+        engine._step_applied = False
+
+    engine._take_model_step = discard  # instance attribute shadows the method for this one call
+    try:
+        engine.step()
+    finally:
+        del engine._take_model_step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    engine: Any, cfg: RunConfig, make_loader: LoaderFactory, dp_rank: int, dp_world: int, device: torch.device
+) -> float:
+    """Mean validation loss over train.val_batches micro batches per rank (the same batches every time)."""
+    loader = make_loader(cfg, "validation", dp_rank, dp_world)
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    try:
+        it = iter(loader)
+        for _ in range(cfg.train.val_batches):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            x, y = batch_to_xy(batch, device)
+            logits = engine(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            total += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
+    finally:
+        engine.train()
+    total = _all_reduce_sum(total, device)
+    if total[1] == 0:
+        raise TrainingError("the validation loader yields no batches")
+    return float(total[0] / total[1])
+
+
+def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if dist_utils.world_size() == 1:
+        return t
+    t = t.to(device)
+    torch.distributed.all_reduce(t)
+    return t.cpu()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+
+
+def _resolve_vocab(cfg: RunConfig) -> None:
+    """model.vocab_size from the prepared data's index when it is null; seq_len checked against it."""
+    try:
+        from data_prep.index import load_index
+
+        index = load_index(cfg.data_dir)
+    except Exception as e:
+        if cfg.model.vocab_size is None:
+            raise ConfigError(
+                f"model.vocab_size is null and the data index in {cfg.data_dir} cannot be read: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
+        return
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = int(index.vocab_size)
+    elif cfg.model.vocab_size < index.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {index.vocab_size}"
+        )
+    if index.seq_len != cfg.data.seq_len:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} but the data in {cfg.data_dir} holds sequences of "
+            f"{index.seq_len}: re-prepare the data or set data.seq_len={index.seq_len}"
+        )
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str, Any]:
+    """Train on every rank; return {final_loss, val_loss, steps, tokens, checkpoint, ...} (same on all ranks).
+
+    make_loader(cfg, split, dp_rank, dp_world) builds a loader (default: data_prep.loader.ShardLoader)
+    with state_dict()/load_state_dict() for exact resume.
+    """
+    import deepspeed
+
+    make_loader = make_loader or default_loader
+    info = dist_utils.init_distributed(cfg.parallel.backend)
+    if cfg.parallel.sequence != 1:
+        raise ConfigError("parallel.sequence > 1 is not supported by pipeline.train yet; set it to 1")
+    d = derive(cfg, info.world_size)
+    dp_rank, dp_world = info.rank, d.data_parallel
+    _resolve_vocab(cfg)
+    tc = cfg.train
+    root = cfg.run_dir / "checkpoints"
+    run_dir = cfg.run_dir
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Resume point, decided before the engine exists: a different world size needs load_universal.
+    resume_dir = ckpt_lib.resolve_resume(tc.checkpoint.resume, root)
+    meta = ckpt_lib.read_meta(resume_dir) if resume_dir else None
+    universal = bool(meta and meta["world_size"] != info.world_size and tc.zero_stage > 0)
+    if resume_dir is not None and universal:
+        ckpt_lib.ensure_universal(resume_dir)
+
+    # Same seed on every rank: identical initial weights before DeepSpeed partitions them.
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    n_params = model.num_parameters()
+    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    if info.is_main:
+        print(
+            f"[train] model: {n_params:,} parameters ({model.num_parameters(non_embedding=True):,} "
+            f"non-embedding), attention {cfg.model.attention.kind}/{cfg.model.attention.field}; "
+            f"world {info.world_size}, global batch {d.global_batch} x {d.seq_len} tokens, "
+            f"ZeRO {tc.zero_stage}, {tc.precision}",
+            flush=True,
+        )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, tc.weight_decay),
+        config=deepspeed_config(cfg, d, load_universal=universal),
+    )
+    device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+
+    step, tokens_seen, skipped, run_id, loader_state = 0, 0, 0, None, None
+    if resume_dir is not None:
+        client = ckpt_lib.load(engine, resume_dir, universal)
+        step = int(client["step"])
+        tokens_seen = int(client.get("tokens_seen", 0))
+        skipped = int(client.get("skipped_steps", 0))
+        run_id = client.get("wandb_run_id")
+        same_world = meta is not None and meta["world_size"] == info.world_size
+        rank_state = ckpt_lib.load_rank_state(resume_dir, info.rank) if same_world else None
+        if rank_state is not None:
+            ckpt_lib.set_rng_state(rank_state["rng"])
+            loader_state = rank_state.get("loader")
+        else:
+            # New world size: the loader cursor is global (rank 0's); RNG streams restart per rank.
+            loader_state = client.get("loader_state")
+            random.seed(cfg.seed + 7919 * step + info.rank)
+            np.random.seed((cfg.seed + 7919 * step + info.rank) % 2**32)
+            torch.manual_seed(cfg.seed + 7919 * step + info.rank)
+        if info.is_main:
+            print(f"[train] resumed from {resume_dir} at step {step} ({tokens_seen:,} tokens)", flush=True)
+    run_id = dist_utils.broadcast_object(run_id)
+
+    logger = make_logger(cfg, info.rank, run_id)
+    loader = make_loader(cfg, "train", dp_rank, dp_world)
+    if loader_state is not None:
+        loader.load_state_dict(loader_state)
+    batches = _Batches(loader)
+    peak = tc.peak_flops_per_rank or measure_peak_flops(
+        device, torch.bfloat16 if tc.precision == "bf16" and device.type == "cuda" else torch.float32
+    )
+    peak_total = peak * info.world_size
+    metrics_file = run_dir / "metrics.jsonl"
+
+    manual_norm = tc.zero_stage == 0 and tc.precision == "fp32"
+    own_norm: float | None = None
+    nan_step = int(os.environ[NAN_TEST_ENV]) if os.environ.get(NAN_TEST_ENV) else None
+    stop = _StopFlag()
+    stop.install()
+    last_saved: Path | None = None
+    last_saved_step = step if resume_dir is not None else -1
+    last_loss, val_loss = float("nan"), None
+    window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "wait": 0.0, "tokens": 0}
+
+    def save_now() -> Path:
+        client = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "skipped_steps": skipped,
+            "wandb_run_id": logger.run_id if info.is_main else run_id,
+            "config_yaml": to_yaml(cfg),
+            "world_size": info.world_size,
+            "loader_state": loader.state_dict(),
+            "universal_checkpoint_info": {},
+        }
+        rank_state = {"rng": ckpt_lib.rng_state(), "loader": loader.state_dict()}
+        client["wandb_run_id"] = dist_utils.broadcast_object(client["wandb_run_id"])
+        return ckpt_lib.save(engine, root, step, client, rank_state, tc.checkpoint.keep_last)
+
+    try:
+        while step < tc.max_steps:
+            t_step = time.perf_counter()
+            wait = 0.0
+            lr = lr_at(step, tc)
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr
+            bad_step, loss_sum, stop_req = False, 0.0, 0.0
+            for _micro in range(d.grad_accum):
+                t_wait = time.perf_counter()
+                x, y = batch_to_xy(batches.next(), device)
+                wait += time.perf_counter() - t_wait
+                logits = engine(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                if nan_step is not None and step == nan_step and dp_rank == dp_world - 1:
+                    loss = loss * float("nan")  # test hook: a real non-finite loss on one rank only
+                # One collective per micro step: [finite loss sum, non-finite count, stop request].
+                finite = bool(torch.isfinite(loss.detach()).item())
+                flags = torch.tensor(
+                    [loss.item() if finite else 0.0, 0.0 if finite else 1.0, float(stop.signum is not None)],
+                    dtype=torch.float64,
+                )
+                flags = _all_reduce_sum(flags, device)
+                stop_req = max(stop_req, float(flags[2]))
+                if flags[1] > 0:
+                    bad_step = True  # every rank skips this backward: no NaN reaches any gradient
+                else:
+                    loss_sum += float(flags[0]) / dp_world
+                    if not bad_step:
+                        engine.backward(loss)
+                if _micro < d.grad_accum - 1:
+                    engine.step()  # not a boundary: DeepSpeed only advances its micro-step counter
+            if bad_step:
+                skipped += 1
+                _append_jsonl_rank0(info.is_main, metrics_file, {"step": step, "skipped": True, "lr": lr})
+                if tc.nan_policy == "stop":
+                    raise TrainingError(
+                        f"non-finite loss at step {step} (train.nan_policy=stop); "
+                        f"last finite loss was {last_loss}"
+                    )
+                print(f"[train] step {step}: non-finite loss, step skipped ({skipped} so far)", flush=True)
+                _discard_step(engine)
+                if skipped > tc.max_skipped_steps:
+                    raise TrainingError(
+                        f"{skipped} steps skipped for non-finite loss (train.max_skipped_steps="
+                        f"{tc.max_skipped_steps}); stopping at step {step}"
+                    )
+            else:
+                if manual_norm:  # ZeRO-0 fp32 clips without recording the norm: take it pre-clip here
+                    grads = [
+                        p.grad.detach().float().norm()
+                        for p in engine.module.parameters()
+                        if p.grad is not None
+                    ]
+                    own_norm = float(torch.stack(grads).norm()) if grads else 0.0
+                before = engine.skipped_steps
+                engine.step()
+                if engine.skipped_steps > before:  # DeepSpeed's own overflow check (inf/NaN grad norm)
+                    skipped += 1
+            step += 1
+            tokens_seen += d.tokens_per_step
+            dt = time.perf_counter() - t_step
+            grad_norm = own_norm if manual_norm else engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None and not bad_step else float("nan")
+            if not bad_step:
+                last_loss = loss_sum / d.grad_accum
+                window["loss"] += last_loss
+                window["n"] += 1
+                _append_jsonl_rank0(
+                    info.is_main,
+                    metrics_file,
+                    {
+                        "step": step,
+                        "loss": last_loss,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "tokens": tokens_seen,
+                    },
+                )
+            window["time"] += dt
+            window["wait"] += wait
+            window["tokens"] += d.tokens_per_step
+            logger.progress(step, tc.max_steps)
+
+            if step % tc.log_every == 0 or step == tc.max_steps:
+                tps = window["tokens"] / max(window["time"], 1e-9)
+                logger.log(
+                    {
+                        "train/loss": window["loss"] / max(window["n"], 1),
+                        "train/lr": lr,
+                        "train/grad_norm": grad_norm,
+                        "train/tokens": tokens_seen,
+                        "train/skipped_steps": skipped,
+                        "perf/tokens_per_s": tps,
+                        "perf/mfu": flops_per_token * tps / peak_total,
+                        "perf/step_time_s": window["time"] / max(window["n"] + 0, 1),
+                        "perf/data_wait_frac": window["wait"] / max(window["time"], 1e-9),
+                        "perf/memory_mb": memory_mb(device),
+                    },
+                    step,
+                )
+                window = {"loss": 0.0, "n": 0, "time": 0.0, "wait": 0.0, "tokens": 0}
+            if tc.val_every and (step % tc.val_every == 0 or step == tc.max_steps):
+                val_loss = evaluate(engine, cfg, make_loader, dp_rank, dp_world, device)
+                logger.log({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))}, step)
+                _append_jsonl_rank0(info.is_main, metrics_file, {"step": step, "val_loss": val_loss})
+            every = tc.checkpoint.every
+            if (every and step % every == 0) or step == tc.max_steps:
+                last_saved, last_saved_step = save_now(), step
+            if stop_req > 0:
+                if last_saved_step != step:
+                    last_saved, last_saved_step = save_now(), step
+                logger.summary({"preempted_at_step": step})
+                logger.finish()
+                if info.is_main:
+                    print(f"[train] preempted: checkpoint {last_saved} written, exiting", flush=True)
+                    requeue_slurm_job()
+                dist_utils.barrier()
+                raise Preempted(step, last_saved)
+        if last_saved_step != step:  # resumed at max_steps with nothing new: make sure a checkpoint exists
+            last_saved, last_saved_step = save_now(), step
+        if last_saved is None:
+            last_saved = ckpt_lib.find_latest(root)
+        summary = {
+            "final_loss": last_loss,
+            "val_loss": val_loss,
+            "steps": step,
+            "tokens": tokens_seen,
+            "skipped_steps": skipped,
+            "parameters": n_params,
+            "checkpoint": str(last_saved) if last_saved else None,
+            "wandb_run_id": logger.run_id if info.is_main else None,
+        }
+        logger.summary({k: v for k, v in summary.items() if v is not None and k != "checkpoint"})
+        return summary
+    finally:
+        stop.restore()
+        logger.finish()
+
+
+def _append_jsonl_rank0(is_main: bool, path: Path, record: dict[str, Any]) -> None:
+    if is_main:
+        _append_jsonl(path, record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.train CONFIG... [key=value ...]` (also accepts --local_rank from `deepspeed`)."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
+    paths = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    try:
+        cfg = load_config(paths, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = train(cfg)
+    if dist_utils.rank() == 0:
+        print("[train] summary " + json.dumps(summary), flush=True)
+    dist_utils.barrier()
+    dist_utils.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
