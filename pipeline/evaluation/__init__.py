@@ -1,0 +1,150 @@
+"""Evaluation of a trained run: passkey retrieval to 8x the training length with and without KV-cache
+eviction, validation loss by position beyond the training length, bits per byte, and the run's report.
+
+    evaluate(cfg, checkpoint=None) -> summary dict
+
+writes <run_dir>/eval/{passkey.json, passkey.png, perplexity.json, perplexity.png, report.json,
+report.md}. The weights come from `checkpoint` (an export directory holding model.safetensors), else
+cfg.eval.checkpoint, else <run_dir>/export.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.evaluation.passkey import run_passkey
+from pipeline.evaluation.perplexity import run_perplexity
+from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_reports, load_report, write_report
+
+log = logging.getLogger("fpa")
+
+__all__ = ["REPORT_KEYS", "compare_reports", "evaluate", "load_report", "resolve_weights"]
+
+
+class EvalError(Exception):
+    """An evaluation input problem (missing weights, data), reported as one line."""
+
+
+def resolve_weights(cfg: RunConfig, checkpoint: Path | None = None) -> Path:
+    """The export directory to evaluate: the argument, cfg.eval.checkpoint, or <run_dir>/export."""
+    path = Path(checkpoint) if checkpoint else Path(cfg.eval.checkpoint) if cfg.eval.checkpoint else None
+    path = path or cfg.run_dir / "export"
+    if path.is_file() and path.suffix == ".safetensors":
+        path = path.parent
+    if not (path / "model.safetensors").is_file():
+        raise EvalError(
+            f"no exported weights at {path / 'model.safetensors'} (eval.checkpoint or --checkpoint must name "
+            f"an export directory; `fpa export` makes one from a training checkpoint)"
+        )
+    return path
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"eval.device={name!r} but CUDA is not available")
+    return dev
+
+
+def _train_val_loss(cfg: RunConfig) -> float | None:
+    from pipeline.rundir import RunDir
+
+    try:
+        manifest = RunDir(cfg).read_manifest("train")
+    except Exception:  # no run dir or an unreadable manifest: fall back to the eval loss
+        return None
+    result = getattr(manifest, "result", None) or {}
+    v = result.get("val_loss")
+    return float(v) if isinstance(v, int | float) else None
+
+
+def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, logger: Any = None) -> dict[str, Any]:
+    """Run the passkey grid and the perplexity sweep on the exported weights, write the report.
+
+    logger: a pipeline.logging.RunLogger; the passkey grid goes to it as a table (W&B) and the headline
+    figures as a summary. Returns the headline figures (the report minus the grids and curves).
+    """
+    from data_prep.index import load_index
+    from data_prep.tokenizer import load_tokenizer
+    from pipeline.export import load_exported
+
+    t0 = time.time()
+    weights = resolve_weights(cfg, checkpoint)
+    device = pick_device(cfg.eval.device)
+    model = load_exported(weights).to(device).eval()
+    tokenizer = load_tokenizer(cfg.data_dir)
+    index = load_index(cfg.data_dir)
+    if model.cfg.vocab_size != index.vocab_size:
+        raise EvalError(
+            f"{weights}: model vocab size {model.cfg.vocab_size} differs from the data's {index.vocab_size} "
+            f"({cfg.data_dir}/index.json): the weights were trained on other data"
+        )
+    seq_len = index.seq_len
+    out_dir = cfg.run_dir / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    passkey = None
+    if cfg.eval.passkey.enabled:
+        passkey = run_passkey(
+            model,
+            tokenizer,
+            seq_len=seq_len,
+            pk=cfg.eval.passkey,
+            cache_cfg=cfg.eval.cache,
+            out_dir=out_dir,
+            prefix_ids=[index.eod_id],  # documents in the training stream start right after an EOD
+            logger=logger,
+            device=device,
+        )
+    ppl = run_perplexity(
+        model,
+        tokenizer,
+        data_dir=cfg.data_dir,
+        seq_len=seq_len,
+        multipliers=list(cfg.eval.ppl_length_multipliers),
+        bucket=cfg.eval.ppl_bucket,
+        sequences=cfg.eval.ppl_sequences,
+        out_dir=out_dir,
+        device=device,
+    )
+    attn = model.cfg.attention
+    report = build_report(
+        run=cfg.name,
+        kind=attn.kind,
+        field=attn.field,
+        seq_len=seq_len,
+        n_params=model.num_parameters(),
+        checkpoint=str(weights),
+        train_val_loss=_train_val_loss(cfg),
+        passkey=passkey,
+        ppl=ppl,
+    )
+    write_report(report, out_dir)
+    headline = {
+        k: report[k]
+        for k in (
+            "kind",
+            "field",
+            "final_val_loss",
+            "passkey_accuracy",
+            "passkey_accuracy_compressed",
+            "cache_fraction",
+            "perplexity",
+            "bits_per_byte",
+        )
+    }
+    headline["seconds"] = round(time.time() - t0, 1)
+    if logger is not None:
+        logger.summary(
+            {f"eval/{k}": v for k, v in headline.items() if isinstance(v, int | float) and v is not None}
+        )
+    log.info("eval report: %s", out_dir / "report.md")
+    return headline

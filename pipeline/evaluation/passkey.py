@@ -1,0 +1,236 @@
+"""Passkey retrieval grid: lengths (multiples of the training length) x needle depths, with the full KV
+cache and with FPA/FoX eviction, scored by exact match of the generated integer.
+
+Outputs under the eval dir: passkey.json (the grid and every answer) and passkey.png (a heatmap per cache
+mode, accuracy in each cell, cache fraction kept in the titles).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data_prep import passkey as protocol
+from fpa_model.cache import EvictionPolicy, generate
+from pipeline.config import CacheConfig, PasskeyConfig
+
+log = logging.getLogger("fpa")
+
+MODES = ("full", "compressed")  # full KV cache | FPA/FoX eviction on
+
+
+def passkey_lengths(seq_len: int, multipliers: list[float]) -> list[int]:
+    """Total token lengths (prompt plus answer) of the grid rows."""
+    return [max(1, round(m * seq_len)) for m in multipliers]
+
+
+def answer_budget(digits: int) -> int:
+    """Tokens generated per prompt: enough for the key even if every digit is its own token, plus one."""
+    return digits + 2
+
+
+def _cell_keys(seed: int, length: int, depth: float, trials: int, digits: int) -> list[int]:
+    # Keys depend on the cell only, so every run (and both cache modes) sees the same prompts.
+    rng = random.Random(f"{seed}:{length}:{depth:.6f}")
+    return [protocol.random_key(rng, digits) for _ in range(trials)]
+
+
+@torch.no_grad()
+def run_cell(
+    model: torch.nn.Module,
+    tokenizer: protocol.TokenizerLike,
+    *,
+    length: int,
+    depth: float,
+    keys: list[int],
+    digits: int,
+    policy: EvictionPolicy,
+    chunk_size: int,
+    prefix_ids: list[int],
+    device: torch.device,
+) -> dict[str, Any]:
+    """One (length, depth, mode) cell: the prompts of all keys decoded as one batch."""
+    budget = answer_budget(digits)
+    prompts = [
+        protocol.build_prompt(tokenizer, length - budget, depth, k, prefix_ids=prefix_ids) for k in keys
+    ]
+    idx = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=device)
+    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size)
+    answers = [protocol.decode(tokenizer, row) for row in new.tolist()]
+    correct = [protocol.is_correct(a, k) for a, k in zip(answers, keys)]
+    frac = cache.fraction_kept()
+    return {
+        "length": length,
+        "depth": depth,
+        "needle_depth_tokens": [p.needle_start for p in prompts],
+        "keys": keys,
+        "answers": answers,
+        "correct": sum(correct),
+        "trials": len(keys),
+        "accuracy": sum(correct) / len(keys),
+        "cache_fraction": float(frac["overall"]),
+        "cache_fraction_per_layer": [float(f) for f in frac["per_layer"]],
+        "cache_capacity": cache.capacity(),
+    }
+
+
+def _summarize(cells: list[dict[str, Any]], lengths: list[int], depths: list[float]) -> dict[str, Any]:
+    by = {(c["length"], c["depth"]): c for c in cells}
+    grid = [[by[(L, d)]["accuracy"] for d in depths] for L in lengths]
+    frac_grid = [[by[(L, d)]["cache_fraction"] for d in depths] for L in lengths]
+    n_layers = len(cells[0]["cache_fraction_per_layer"]) if cells else 0
+    return {
+        "accuracy": sum(c["correct"] for c in cells) / max(sum(c["trials"] for c in cells), 1),
+        "accuracy_per_length": {
+            str(L): sum(by[(L, d)]["correct"] for d in depths) / sum(by[(L, d)]["trials"] for d in depths)
+            for L in lengths
+        },
+        "grid": grid,  # [length][depth]
+        "cache_fraction": sum(c["cache_fraction"] for c in cells) / max(len(cells), 1),
+        "cache_fraction_per_length": {
+            str(L): sum(by[(L, d)]["cache_fraction"] for d in depths) / len(depths) for L in lengths
+        },
+        "cache_fraction_per_layer": [
+            sum(c["cache_fraction_per_layer"][i] for c in cells) / len(cells) for i in range(n_layers)
+        ],
+        "cache_fraction_grid": frac_grid,
+    }
+
+
+def run_passkey(
+    model: torch.nn.Module,
+    tokenizer: protocol.TokenizerLike,
+    *,
+    seq_len: int,
+    pk: PasskeyConfig,
+    cache_cfg: CacheConfig,
+    out_dir: Path,
+    prefix_ids: list[int] | None = None,
+    logger: Any = None,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """The whole grid, both cache modes (compressed only for fpa/fox with eviction enabled).
+
+    Writes passkey.json and passkey.png into out_dir, logs a W&B table through `logger.log_table` when a
+    logger is given, and returns the JSON content.
+    """
+    device = device or next(model.parameters()).device
+    kinds = {block.attn.kind for block in model.blocks}
+    lengths = passkey_lengths(seq_len, list(pk.length_multipliers))
+    depths = [float(d) for d in pk.depths]
+    modes = ["full"]
+    if cache_cfg.evict and kinds != {"softmax"}:
+        modes.append("compressed")
+    result: dict[str, Any] = {
+        "seq_len": seq_len,
+        "multipliers": [float(m) for m in pk.length_multipliers],
+        "lengths": lengths,
+        "depths": depths,
+        "trials": pk.trials,
+        "digits": pk.digits,
+        "modes": {},
+        "cache": {
+            "delta": cache_cfg.delta,
+            "margin": cache_cfg.margin,
+            "norm_slack": cache_cfg.norm_slack,
+            "prefill_chunk": cache_cfg.prefill_chunk,
+        },
+    }
+    rows: list[list[Any]] = []
+    t0 = time.time()
+    for mode in modes:
+        cells = []
+        for L in lengths:
+            policy = EvictionPolicy(
+                enabled=mode == "compressed",
+                delta=cache_cfg.delta,
+                margin=cache_cfg.margin,
+                norm_slack=cache_cfg.norm_slack,
+                max_tokens=L,
+            )
+            for d in depths:
+                keys = _cell_keys(pk.seed, L, d, pk.trials, pk.digits)
+                cell = run_cell(
+                    model,
+                    tokenizer,
+                    length=L,
+                    depth=d,
+                    keys=keys,
+                    digits=pk.digits,
+                    policy=policy,
+                    chunk_size=cache_cfg.prefill_chunk,
+                    prefix_ids=list(prefix_ids or []),
+                    device=device,
+                )
+                cell["mode"] = mode
+                cells.append(cell)
+                rows.append(
+                    [mode, L, L / seq_len, d, cell["accuracy"], cell["cache_fraction"], cell["trials"]]
+                )
+            log.info(
+                "passkey %s length %d: accuracy %.3f",
+                mode,
+                L,
+                sum(c["correct"] for c in cells if c["length"] == L) / (pk.trials * len(depths)),
+            )
+        result["modes"][mode] = {**_summarize(cells, lengths, depths), "cells": cells}
+    result["seconds"] = round(time.time() - t0, 2)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / "passkey.json", result)
+    plot_passkey(result, out_dir / "passkey.png")
+    if logger is not None:
+        logger.log_table(
+            "eval/passkey",
+            ["mode", "length", "multiplier", "depth", "accuracy", "cache_fraction", "trials"],
+            rows,
+        )
+    return result
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def plot_passkey(result: dict[str, Any], path: Path) -> None:
+    """Heatmaps (length x depth) of accuracy, one per cache mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(result["modes"])
+    lengths, depths = result["lengths"], result["depths"]
+    fig, axes = plt.subplots(
+        1,
+        len(modes),
+        figsize=(2.0 + 1.0 * len(depths) * len(modes), 1.6 + 0.45 * len(lengths)),
+        squeeze=False,
+        layout="constrained",
+    )
+    for ax, mode in zip(axes[0], modes):
+        m = result["modes"][mode]
+        im = ax.imshow(m["grid"], vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
+        for i in range(len(lengths)):
+            for j in range(len(depths)):
+                ax.text(j, i, f"{m['grid'][i][j]:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [f"{L} ({L / result['seq_len']:g}x)" for L in lengths])
+        ax.set_xlabel("needle depth")
+        if ax is axes[0][0]:
+            ax.set_ylabel("length (tokens)")
+        title = f"{mode}: acc {m['accuracy']:.2f}"
+        if mode == "compressed":
+            title += f", cache kept {m['cache_fraction']:.0%}"
+        ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

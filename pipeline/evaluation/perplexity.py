@@ -1,0 +1,172 @@
+"""Loss by position at and beyond the training length, and bits per byte, on the validation split.
+
+Windows longer than training are made by joining consecutive validation sequences end to end: the
+prepared shards store the token stream cut into consecutive rows of seq_len + 1 tokens, so reading the rows
+in order gives back the contiguous stream. Each length L gets up to eval.ppl_sequences disjoint windows of
+L + 1 tokens (inputs and shifted targets).
+
+Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the target tokens decode to, so runs
+with different tokenizers compare. Special tokens (the end-of-document separator) count zero bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("fpa")
+
+
+def validation_stream(data_dir: Path | str, max_tokens: int, split: str = "validation") -> np.ndarray:
+    """The first max_tokens tokens (or all there are) of a split's token stream, in stored order."""
+    from data_prep.index import load_index
+    from data_prep.shards import read_shard
+
+    index = load_index(data_dir)
+    parts: list[np.ndarray] = []
+    n = 0
+    for shard in index.shards(split):
+        rows = read_shard(data_dir, shard, seq_len=index.seq_len, dtype=index.dtype)
+        flat = rows.reshape(-1)
+        parts.append(flat)
+        n += flat.size
+        if n >= max_tokens:
+            break
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return stream[:max_tokens].astype(np.int64)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def token_byte_lengths(tokenizer: Any) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special tokens).
+
+    Byte-level BPE vocab entries are strings over GPT-2's byte alphabet, one character per byte; any
+    other tokenizer falls back to decoding each id alone.
+    """
+    vocab: dict[str, int] = tokenizer.get_vocab(with_added_tokens=True)
+    special = {int(i) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    out = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
+    alphabet = set(_bytes_to_unicode().values())
+    for tok, i in vocab.items():
+        if i in special:
+            continue
+        if all(ch in alphabet for ch in tok):
+            out[i] = len(tok)
+        else:
+            out[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    return out
+
+
+@torch.no_grad()
+def window_losses(model: torch.nn.Module, windows: torch.Tensor, batch: int = 1) -> torch.Tensor:
+    """Per-position next-token loss (nats, fp32) of windows (N, L+1) -> (N, L)."""
+    out = []
+    for s in range(0, windows.shape[0], batch):
+        w = windows[s : s + batch]
+        logits = model(w[:, :-1])
+        out.append(F.cross_entropy(logits.float().transpose(1, 2), w[:, 1:], reduction="none").cpu())
+    return torch.cat(out)
+
+
+def run_perplexity(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    data_dir: Path | str,
+    seq_len: int,
+    multipliers: list[float],
+    bucket: int,
+    sequences: int,
+    out_dir: Path,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """Loss by position bucket, perplexity and bits per byte per length; writes perplexity.json/.png."""
+    device = device or next(model.parameters()).device
+    lengths = [max(2, round(m * seq_len)) for m in multipliers]
+    need = sequences * (max(lengths) + 1)
+    stream = validation_stream(data_dir, need)
+    nbytes = token_byte_lengths(tokenizer)
+    result: dict[str, Any] = {"seq_len": seq_len, "bucket": bucket, "lengths": {}}
+    for m, L in zip(multipliers, lengths):
+        n = min(sequences, stream.size // (L + 1))
+        key = str(L)
+        if n == 0:
+            log.warning(
+                "perplexity: validation split has %d tokens, too few for one window of %d", stream.size, L
+            )
+            result["lengths"][key] = {
+                "multiplier": float(m),
+                "windows": 0,
+                "skipped": "too few validation tokens",
+            }
+            continue
+        windows = torch.from_numpy(stream[: n * (L + 1)].reshape(n, L + 1)).to(device)
+        losses = window_losses(model, windows)  # (n, L)
+        per_pos = losses.mean(0)
+        starts = list(range(0, L, bucket))
+        by_bucket = [float(per_pos[s : s + bucket].mean()) for s in starts]
+        target_bytes = int(nbytes[np.clip(windows[:, 1:].cpu().numpy(), 0, nbytes.size - 1)].sum())
+        total_nats = float(losses.sum())
+        mean = float(losses.mean())
+        result["lengths"][key] = {
+            "multiplier": float(m),
+            "windows": n,
+            "loss": mean,
+            "perplexity": math.exp(min(mean, 50.0)),
+            "bits_per_byte": total_nats / math.log(2) / max(target_bytes, 1),
+            "bytes": target_bytes,
+            "bucket_start": starts,
+            "loss_by_bucket": by_bucket,
+            # Loss inside the training length vs beyond it: the length-extrapolation gap in one number.
+            "loss_within_train_len": float(per_pos[:seq_len].mean()),
+            "loss_beyond_train_len": float(per_pos[seq_len:].mean()) if seq_len < L else None,
+        }
+        log.info("perplexity length %d (%gx): loss %.4f, %d windows", L, m, mean, n)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / ".perplexity.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out_dir / "perplexity.json")
+    plot_perplexity(result, out_dir / "perplexity.png")
+    return result
+
+
+def plot_perplexity(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, r in result["lengths"].items():
+        if not r.get("windows"):
+            continue
+        centers = [s + result["bucket"] / 2 for s in r["bucket_start"]]
+        ax.plot(centers, r["loss_by_bucket"], marker=".", label=f"{key} tokens ({r['multiplier']:g}x)")
+    ax.axvline(result["seq_len"], color="gray", linestyle="--", linewidth=1, label="training length")
+    ax.set_xlabel("position")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title("validation loss by position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

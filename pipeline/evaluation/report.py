@@ -1,0 +1,266 @@
+"""The evaluation report of one run (<run_dir>/eval/report.json + report.md) and a side-by-side comparison
+of several runs (sweeps over attention kinds).
+
+report.json keys (schema_version 1; sweep collection reads these, so they stay stable; a missing figure
+is null, never absent):
+
+    schema_version                        1
+    run                                   run name
+    kind, field                           model.attention.kind / field (field null for softmax)
+    seq_len                               training length in tokens
+    n_params                              unique parameters
+    checkpoint                            the weights evaluated
+    final_val_loss                        training's last validation loss; the eval loss at 1x if training
+                                          recorded none
+    final_val_loss_source                 "train" | "eval" | null
+    passkey_accuracy                      exact-match accuracy over the whole grid, full KV cache
+    passkey_accuracy_per_length           {"<tokens>": accuracy}, full cache
+    passkey_accuracy_compressed           the same with FPA/FoX eviction (null: softmax or eviction off)
+    passkey_accuracy_compressed_per_length
+    cache_fraction                        kept keys / tokens seen with eviction, mean over the grid's cells
+                                          (1.0 for softmax: nothing is evicted)
+    cache_fraction_per_length             {"<tokens>": fraction}
+    cache_fraction_per_layer              [fraction per layer]
+    passkey_grid                          {"lengths": [...], "depths": [...], "full": [[acc per depth] per
+                                          length], "compressed": same or null}
+    perplexity                            {"<tokens>": perplexity}
+    bits_per_byte                         {"<tokens>": bits per byte}
+    ppl_by_position                       {"<tokens>": {"bucket_start": [...], "loss": [...]}} (loss in nats)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+REPORT_KEYS = (
+    "schema_version",
+    "run",
+    "kind",
+    "field",
+    "seq_len",
+    "n_params",
+    "checkpoint",
+    "final_val_loss",
+    "final_val_loss_source",
+    "passkey_accuracy",
+    "passkey_accuracy_per_length",
+    "passkey_accuracy_compressed",
+    "passkey_accuracy_compressed_per_length",
+    "cache_fraction",
+    "cache_fraction_per_length",
+    "cache_fraction_per_layer",
+    "passkey_grid",
+    "perplexity",
+    "bits_per_byte",
+    "ppl_by_position",
+)
+
+
+def build_report(
+    *,
+    run: str,
+    kind: str,
+    field: str | None,
+    seq_len: int,
+    n_params: int,
+    checkpoint: str,
+    train_val_loss: float | None,
+    passkey: dict[str, Any] | None,
+    ppl: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results."""
+    full = (passkey or {}).get("modes", {}).get("full")
+    comp = (passkey or {}).get("modes", {}).get("compressed")
+    lengths_ok = {k: v for k, v in (ppl or {}).get("lengths", {}).items() if v.get("windows")}
+
+    val_loss, source = None, None
+    if train_val_loss is not None and math.isfinite(train_val_loss):
+        val_loss, source = float(train_val_loss), "train"
+    elif ppl and str(seq_len) in lengths_ok:
+        val_loss, source = lengths_ok[str(seq_len)]["loss"], "eval"
+
+    if comp is not None:
+        frac, frac_len, frac_layer = (
+            comp["cache_fraction"],
+            comp["cache_fraction_per_length"],
+            comp["cache_fraction_per_layer"],
+        )
+    elif full is not None and kind == "softmax":
+        frac, frac_len, frac_layer = 1.0, dict.fromkeys(full["accuracy_per_length"], 1.0), None
+    else:
+        frac, frac_len, frac_layer = None, None, None
+
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "run": run,
+        "kind": kind,
+        "field": field if kind != "softmax" else None,
+        "seq_len": seq_len,
+        "n_params": n_params,
+        "checkpoint": checkpoint,
+        "final_val_loss": val_loss,
+        "final_val_loss_source": source,
+        "passkey_accuracy": full["accuracy"] if full else None,
+        "passkey_accuracy_per_length": full["accuracy_per_length"] if full else None,
+        "passkey_accuracy_compressed": comp["accuracy"] if comp else None,
+        "passkey_accuracy_compressed_per_length": comp["accuracy_per_length"] if comp else None,
+        "cache_fraction": frac,
+        "cache_fraction_per_length": frac_len,
+        "cache_fraction_per_layer": frac_layer,
+        "passkey_grid": {
+            "lengths": passkey["lengths"],
+            "depths": passkey["depths"],
+            "full": full["grid"] if full else None,
+            "compressed": comp["grid"] if comp else None,
+        }
+        if passkey
+        else None,
+        "perplexity": {k: v["perplexity"] for k, v in lengths_ok.items()} or None,
+        "bits_per_byte": {k: v["bits_per_byte"] for k, v in lengths_ok.items()} or None,
+        "ppl_by_position": {
+            k: {"bucket_start": v["bucket_start"], "loss": v["loss_by_bucket"]} for k, v in lengths_ok.items()
+        }
+        or None,
+    }
+    assert tuple(report) == REPORT_KEYS
+    return report
+
+
+def _f(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """One run's report as markdown: headline table, passkey grids, perplexity by length."""
+    r = report
+    lines = [
+        f"# Evaluation: {r['run']}",
+        "",
+        f"- attention: **{r['kind']}**" + (f" (field `{r['field']}`)" if r["field"] else ""),
+        f"- parameters: {r['n_params']:,}; training length {r['seq_len']} tokens",
+        f"- weights: `{r['checkpoint']}`",
+        f"- final validation loss: {_f(r['final_val_loss'], 4)} ({r['final_val_loss_source'] or 'n/a'})",
+        f"- passkey accuracy: full cache {_pct(r['passkey_accuracy'])}, "
+        f"compressed {_pct(r['passkey_accuracy_compressed'])} "
+        f"with {_pct(r['cache_fraction'])} of the cache kept",
+        "",
+    ]
+    grid = r["passkey_grid"]
+    if grid:
+        for mode in ("full", "compressed"):
+            if not grid[mode]:
+                continue
+            lines += [f"## Passkey accuracy, {mode} cache (rows: length, columns: needle depth)", ""]
+            lines.append("| length | " + " | ".join(f"{d:.0%}" for d in grid["depths"]) + " | mean |")
+            lines.append("|---" * (len(grid["depths"]) + 2) + "|")
+            per_len = r[
+                "passkey_accuracy_per_length" if mode == "full" else "passkey_accuracy_compressed_per_length"
+            ]
+            for L, row in zip(grid["lengths"], grid[mode]):
+                mult = L / r["seq_len"]
+                cells = " | ".join(f"{a:.2f}" for a in row)
+                lines.append(f"| {L} ({mult:g}x) | {cells} | {per_len[str(L)]:.2f} |")
+            lines.append("")
+        if r["cache_fraction_per_length"] and grid["compressed"]:
+            lines += [
+                "Cache kept by length: "
+                + ", ".join(f"{k}: {_pct(v)}" for k, v in r["cache_fraction_per_length"].items())
+            ]
+            if r["cache_fraction_per_layer"]:
+                lines += ["Cache kept by layer: " + ", ".join(_pct(v) for v in r["cache_fraction_per_layer"])]
+            lines.append("")
+    if r["perplexity"]:
+        lines += [
+            "## Validation perplexity by length",
+            "",
+            "| length | loss | perplexity | bits/byte |",
+            "|---|---|---|---|",
+        ]
+        for k in r["perplexity"]:
+            pos = r["ppl_by_position"][k]["loss"]
+            mean_loss = sum(pos) / len(pos)
+            lines.append(
+                f"| {k} | {mean_loss:.4f} | {r['perplexity'][k]:.2f} | {r['bits_per_byte'][k]:.4f} |"
+            )
+        lines += ["", "Loss by position: `perplexity.png`; passkey heatmaps: `passkey.png`.", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], eval_dir: Path) -> tuple[Path, Path]:
+    """report.json and report.md into eval_dir (each written atomically)."""
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    pj, pm = eval_dir / "report.json", eval_dir / "report.md"
+    for path, text in ((pj, json.dumps(report, indent=1) + "\n"), (pm, report_markdown(report))):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return pj, pm
+
+
+def load_report(run_dir: Path | str) -> dict[str, Any]:
+    """<run_dir>/eval/report.json, checked for the schema; ValueError naming the file otherwise."""
+    path = Path(run_dir) / "eval" / "report.json"
+    if not path.is_file():
+        raise ValueError(f"no evaluation report at {path} (run `fpa eval` first)")
+    try:
+        report = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(report, dict) or report.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: schema_version {report.get('schema_version')!r}, expected {SCHEMA_VERSION}"
+        )
+    missing = [k for k in REPORT_KEYS if k not in report]
+    if missing:
+        raise ValueError(f"{path}: missing keys {missing}")
+    return report
+
+
+def compare_reports(run_dirs: list[Path | str]) -> str:
+    """Several runs side by side as markdown: headline figures, passkey by length, perplexity by length."""
+    reports = [load_report(d) for d in run_dirs]
+    if not reports:
+        return "_no runs_\n"
+    lengths = sorted({int(k) for r in reports for k in (r["passkey_accuracy_per_length"] or {})})
+    ppl_lengths = sorted({int(k) for r in reports for k in (r["perplexity"] or {})})
+    out = [
+        "| run | kind | field | params | val loss | passkey | passkey compressed | cache kept |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        out.append(
+            f"| {r['run']} | {r['kind']} | {r['field'] or '-'} | {r['n_params']:,} "
+            f"| {_f(r['final_val_loss'], 4)} "
+            f"| {_pct(r['passkey_accuracy'])} | {_pct(r['passkey_accuracy_compressed'])} "
+            f"| {_pct(r['cache_fraction'])} |"
+        )
+    if lengths:
+        out += ["", "Passkey accuracy by length (full cache / compressed):", ""]
+        out.append("| run | " + " | ".join(str(L) for L in lengths) + " |")
+        out.append("|---" * (len(lengths) + 1) + "|")
+        for r in reports:
+            full = r["passkey_accuracy_per_length"] or {}
+            comp = r["passkey_accuracy_compressed_per_length"] or {}
+            cells = [f"{_pct(full.get(str(L)))} / {_pct(comp.get(str(L)))}" for L in lengths]
+            out.append(f"| {r['run']} | " + " | ".join(cells) + " |")
+    if ppl_lengths:
+        out += ["", "Validation perplexity by length:", ""]
+        out.append("| run | " + " | ".join(str(L) for L in ppl_lengths) + " |")
+        out.append("|---" * (len(ppl_lengths) + 1) + "|")
+        for r in reports:
+            ppl = r["perplexity"] or {}
+            out.append(f"| {r['run']} | " + " | ".join(_f(ppl.get(str(L)), 2) for L in ppl_lengths) + " |")
+    return "\n".join(out) + "\n"
