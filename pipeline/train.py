@@ -155,6 +155,8 @@ def default_loader(cfg: RunConfig, split: str, dp_rank: int, dp_world: int) -> A
         dp_rank=dp_rank,
         dp_world=dp_world,
         seed=cfg.data.seed,
+        shuffle_block=cfg.data.shuffle_block,
+        num_workers=1 if split == "train" else 0,  # one read-ahead thread; order does not depend on it
     )
 
 
@@ -285,7 +287,8 @@ def evaluate(
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
     try:
-        it = iter(loader)
+        # One pass in stored order when the loader offers it (ShardLoader.iter_once); training state untouched.
+        it = loader.iter_once() if hasattr(loader, "iter_once") else iter(loader)
         for _ in range(cfg.train.val_batches):
             try:
                 batch = next(it)

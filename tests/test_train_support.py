@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 VOCAB = 64
+DELAY = float(os.environ.get("FPA_TEST_LOADER_DELAY", "0"))
 
 
 class MemoryLoader:
@@ -54,6 +56,8 @@ class MemoryLoader:
         while self.cursor + step <= len(order):
             lo = self.cursor + self.dp_rank * self.mb
             self.cursor += step
+            if DELAY:  # tests that signal or kill a run mid-way slow it down to hit a known window
+                time.sleep(DELAY)
             yield self.rows[order[lo : lo + self.mb]]
         if self.split == "train":
             self.epoch, self.cursor = self.epoch + 1, 0

@@ -1,0 +1,103 @@
+"""Export a DeepSpeed checkpoint to plain weights: <out>/model.safetensors (fp32) + <out>/config.yaml.
+
+ZeRO-partitioned checkpoints are consolidated with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint
+(the fp32 master weights, not the bf16 copies); a ZeRO-0 checkpoint's module state is taken as is.
+`load_exported` rebuilds the GPT from the export alone: no DeepSpeed, no process group.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fpa_model.model import GPT
+from pipeline.config import RunConfig, from_yaml_text, to_yaml
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.yaml"
+
+
+class ExportError(Exception):
+    """A checkpoint that cannot be exported / an export that cannot be loaded, as one line."""
+
+
+def _client_state(checkpoint_dir: Path) -> dict[str, Any]:
+    files = sorted(checkpoint_dir.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise ExportError(f"{checkpoint_dir} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
+    return torch.load(files[0], map_location="cpu", weights_only=False)
+
+
+def consolidated_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights of the whole model from a DeepSpeed checkpoint dir (any ZeRO stage)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if any(checkpoint_dir.glob("*zero_pp_rank_*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
+    else:
+        sd = _client_state(checkpoint_dir)["module"]
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
+
+
+def _atomic_save(write: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write out_dir/model.safetensors + out_dir/config.yaml from a checkpoint; return out_dir.
+
+    The model section comes from the config saved in the checkpoint (it has the resolved vocab size);
+    cfg supplies the rest when the checkpoint holds no config.
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if not checkpoint_dir.is_dir():
+        raise ExportError(f"checkpoint directory not found: {checkpoint_dir}")
+    client = _client_state(checkpoint_dir)
+    if client.get("config_yaml"):
+        cfg = from_yaml_text(client["config_yaml"])
+    if cfg.model.vocab_size is None:
+        raise ExportError(f"model.vocab_size is unknown for {checkpoint_dir} (no config in the checkpoint)")
+    sd = consolidated_state_dict(checkpoint_dir)
+    model = GPT(cfg.model)
+    expected = set(model.state_dict())
+    if cfg.model.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # one tensor, stored once (safetensors refuses shared storage)
+        expected.discard("lm_head.weight")
+    missing, extra = expected - set(sd), set(sd) - expected
+    if missing or extra:
+        raise ExportError(
+            f"{checkpoint_dir} does not match the model config: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(extra)[:5]}"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"step": str(client.get("step", "")), "source": str(checkpoint_dir)}
+    _atomic_save(lambda p: save_file(sd, str(p), metadata=meta), out_dir / WEIGHTS)
+    _atomic_save(lambda p: p.write_text(to_yaml(cfg)), out_dir / CONFIG)
+    return out_dir
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu") -> GPT:
+    """A GPT (eval mode, fp32) from an export dir or its model.safetensors."""
+    path = Path(path)
+    folder = path.parent if path.is_file() else path
+    weights, config = folder / WEIGHTS, folder / CONFIG
+    for f in (weights, config):
+        if not f.is_file():
+            raise ExportError(f"export is missing {f}")
+    cfg = from_yaml_text(config.read_text())
+    model = GPT(cfg.model)
+    sd = load_file(str(weights), device="cpu")
+    if cfg.model.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ExportError(f"{weights} does not fit {config}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval()
