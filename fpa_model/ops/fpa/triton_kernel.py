@@ -601,10 +601,7 @@ class _FPATritonFunction(torch.autograd.Function):
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, phi32, o, lse = ctx.saved_tensors
         dq, dk, dv, dphi = _backward(q, k, v, phi32, o, lse, _last_dim_contiguous(do), ctx.lc)
-        if dphi is not None and ctx.needs_input_grad[3]:
-            dphi = dphi.to(ctx.phi_dtype)
-        else:
-            dphi = None
+        dphi = dphi.to(ctx.phi_dtype) if dphi is not None and ctx.needs_input_grad[3] else None
         return dq, dk, dv, dphi, None
 
 

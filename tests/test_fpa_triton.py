@@ -1,0 +1,250 @@
+"""The Triton FPA kernel against the naive oracle: outputs and every gradient (q, k, v, phi).
+
+On a machine without CUDA these run under the Triton interpreter with CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1 before the kernels are defined); shapes stay tiny so the default run takes seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fpa_model.ops.fpa.naive import fpa_attention_naive
+from fpa_model.ops.fpa.triton_kernel import MAX_HEAD_DIM, fpa_attention_triton
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
+
+
+def make_field(u: torch.Tensor, field: str) -> torch.Tensor:
+    """phi from raw per-token values u, the way the model builds it (cumsum happens outside the op)."""
+    if field == "walk":
+        return torch.cumsum(u, dim=-1)
+    if field == "gate":
+        return torch.cumsum(F.logsigmoid(u), dim=-1)
+    if field == "direct":
+        return u
+    raise ValueError(field)
+
+
+def make_inputs(b, h, t, d, *, dtype=torch.float32, field="walk", seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    # Increments around the FoX-like init (slightly negative) with enough spread to make real dips.
+    u = (
+        torch.randn(b, h, t, generator=g) * 0.7 - 0.1
+        if field != "gate"
+        else torch.randn(b, h, t, generator=g) + 2
+    )
+    do = torch.randn(b, h, t, d, generator=g)
+    q, k, v, do = (x.to(device=device, dtype=dtype) for x in (q, k, v, do))
+    return q, k, v, u.to(device), do
+
+
+def run_with_grads(fn, q, k, v, u, do, field, **kw):
+    """Output and grads w.r.t. q, k, v and the raw field values u (so autograd does the cumsum)."""
+    q, k, v, u = (x.detach().clone().requires_grad_(True) for x in (q, k, v, u))
+    phi = make_field(u, field)
+    o = fn(q, k, v, phi, **kw)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad, u.grad
+
+
+def reference(q, k, v, u, do, field, kind, scale=None):
+    """The naive oracle in fp32 on the same (possibly bf16-rounded) inputs."""
+    q32, k32, v32, do32 = (x.float() for x in (q, k, v, do))
+    return run_with_grads(fpa_attention_naive, q32, k32, v32, u, do32, field, kind=kind, scale=scale)
+
+
+def assert_all_close(got, ref, dtype, names=("out", "dq", "dk", "dv", "du")):
+    atol, rtol = TOL[dtype]
+    for name, a, b in zip(names, got, ref):
+        if b is None:
+            assert a is None or torch.count_nonzero(a) == 0, f"{name}: expected no gradient"
+            continue
+        assert a is not None, f"{name}: gradient missing"
+        a = a.float()
+        # Scale-aware tolerance: field gradients sum over many pairs and grow with T.
+        scale = b.abs().max().item() + 1e-6
+        err = (a - b).abs().max().item()
+        assert err <= atol * max(scale, 1.0) + rtol * scale, (
+            f"{name}: max err {err:.3g} (ref max {scale:.3g})"
+        )
+
+
+# (B, H, T, D, block): T not a multiple of the block, several heads, B > 1, D padded to a power of 2.
+SHAPES = {
+    "B1H1T16D16-blk16": (1, 1, 16, 16, 16),
+    "B2H2T50D32-blk16": (2, 2, 50, 32, 16),
+    "B1H2T97D16-blk16": (1, 2, 97, 16, 16),
+    "B1H1T45D24-blk32": (1, 1, 45, 24, 32),
+    "B1H1T70D16-autotune": (1, 1, 70, 16, None),
+}
+# Every kind and field mode on the multi-block, multi-batch shape; the two main kinds on every shape.
+FP32_CASES = [
+    (kind, field, "B2H2T50D32-blk16")
+    for kind, field in [
+        ("fpa", "walk"),
+        ("fpa", "gate"),
+        ("fpa", "direct"),
+        ("fox", "gate"),
+        ("softmax", "walk"),
+    ]
+]
+FP32_CASES += [
+    (kind, field, shape)
+    for shape in SHAPES
+    if shape != "B2H2T50D32-blk16"
+    for kind, field in [("fpa", "walk"), ("fox", "gate")]
+]
+FP32_CASES.append(("softmax", "walk", "B1H2T97D16-blk16"))
+
+
+@pytest.mark.parametrize("kind,field,shape", FP32_CASES, ids=[f"{k}-{f}-{s}" for k, f, s in FP32_CASES])
+def test_matches_naive_fp32(kind, field, shape):
+    b, h, t, d, block = SHAPES[shape]
+    q, k, v, u, do = make_inputs(b, h, t, d, field=field, seed=t + d)
+    got = run_with_grads(fpa_attention_triton, q, k, v, u, do, field, kind=kind, block_size=block)
+    assert_all_close(got, reference(q, k, v, u, do, field, kind), torch.float32)
+
+
+@pytest.mark.parametrize("kind,field", [("fpa", "walk"), ("fox", "gate"), ("softmax", "walk")])
+def test_matches_naive_bf16(kind, field):
+    q, k, v, u, do = make_inputs(1, 2, 40, 32, dtype=torch.bfloat16, field=field, seed=3)
+    got = run_with_grads(fpa_attention_triton, q, k, v, u, do, field, kind=kind, block_size=16)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
+    assert_all_close(got, reference(q, k, v, u, do, field, kind), torch.bfloat16)
+
+
+def test_custom_scale_and_strided_inputs():
+    """q, k, v as (B, T, H, D).transpose(1, 2) views (the model's layout) and an explicit scale."""
+    b, h, t, d = 1, 2, 37, 16
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(b, t, h, d, generator=g).to(DEVICE).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    u = torch.randn(b, h, t, generator=g).to(DEVICE) * 0.7
+    do = torch.randn(b, h, t, d, generator=g).to(DEVICE)
+    got = run_with_grads(fpa_attention_triton, q, k, v, u, do, "walk", kind="fpa", scale=0.3, block_size=16)
+    assert_all_close(got, reference(q, k, v, u, do, "walk", "fpa", scale=0.3), torch.float32)
+
+
+def test_fpa_with_gate_field_equals_fox():
+    """phi = cumsum(logsigmoid) is non-increasing, so the range-min sits at i and FPA is exactly FoX."""
+    q, k, v, u, do = make_inputs(1, 2, 50, 16, field="gate", seed=11)
+    fpa = run_with_grads(fpa_attention_triton, q, k, v, u, do, "gate", kind="fpa", block_size=16)
+    fox = run_with_grads(fpa_attention_triton, q, k, v, u, do, "gate", kind="fox", block_size=16)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "du"), fpa, fox):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # ...and a walk field that rises somewhere is not FoX.
+    q, k, v, u, do = make_inputs(1, 2, 50, 16, field="walk", seed=11)
+    fpa_o = fpa_attention_triton(q, k, v, make_field(u, "walk"), kind="fpa", block_size=16)
+    fox_o = fpa_attention_triton(q, k, v, make_field(u, "walk"), kind="fox", block_size=16)
+    assert (fpa_o - fox_o).abs().max() > 1e-2
+
+
+def _lowest_argmin_bias(phi: torch.Tensor) -> torch.Tensor:
+    """b_ij = phi[argmin over [j, i]] - phi_j, ties to the lowest index, built by gather (differentiable)."""
+    bsz, h, t = phi.shape
+    p = phi.detach()
+    arg = torch.zeros(bsz, h, t, t, dtype=torch.long, device=phi.device)
+    for i in range(t):
+        cur_v = p[..., i].clone()
+        cur_a = torch.full_like(cur_v, i, dtype=torch.long)
+        arg[..., i, i] = cur_a
+        for j in range(i - 1, -1, -1):
+            take = p[..., j] <= cur_v  # going left, an equal value moves the argmin to the lower index
+            cur_v = torch.where(take, p[..., j], cur_v)
+            cur_a = torch.where(take, torch.full_like(cur_a, j), cur_a)
+            arg[..., i, j] = cur_a
+    rmin = phi.gather(-1, arg.view(bsz, h, t * t)).view(bsz, h, t, t)
+    causal = torch.ones(t, t, dtype=torch.bool, device=phi.device).tril()
+    return (rmin - phi[..., None, :]).masked_fill(~causal, float("-inf"))
+
+
+def test_tie_rule_routes_to_lowest_index():
+    """A field with many equal values (also across block boundaries): the field gradient goes to the
+    lowest index among equal minima: diagonal tile, prefix-min, suffix-min and the between-blocks M."""
+    b, h, t, d = 1, 2, 40, 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(b, h, t, d, generator=g).to(DEVICE) for _ in range(4))
+    phi = torch.randint(0, 3, (b, h, t), generator=g).float().to(DEVICE)
+    phi[:, :, 16:32] = 1.0  # a flat middle block: M ties with S and P
+    got = run_with_grads(fpa_attention_triton, q, k, v, phi, do, "direct", kind="fpa", block_size=16)
+
+    def ref_fn(q, k, v, phi):
+        logits = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d) + _lowest_argmin_bias(phi)
+        return torch.einsum("bhij,bhjd->bhid", torch.softmax(logits, -1), v)
+
+    ref = run_with_grads(ref_fn, q, k, v, phi, do, "direct")
+    assert_all_close(got, ref, torch.float32)
+    # The oracle's cummin-based gradient may route ties elsewhere; the values must agree regardless.
+    torch.testing.assert_close(got[0], fpa_attention_naive(q, k, v, phi, kind="fpa"), atol=2e-5, rtol=2e-5)
+
+
+def test_softmax_without_field_and_phi_grad_dtype():
+    q, k, v, u, do = make_inputs(1, 1, 20, 16, seed=2)
+    o = fpa_attention_triton(q, k, v, None, kind="softmax", block_size=16)
+    torch.testing.assert_close(o, fpa_attention_naive(q, k, v, None, kind="softmax"), atol=2e-5, rtol=2e-5)
+    # A bf16 field gets a bf16 gradient (the kernel computes it in fp32).
+    phi = torch.cumsum(u, -1).to(torch.bfloat16).requires_grad_(True)
+    fpa_attention_triton(q, k, v, phi, kind="fpa", block_size=16).backward(do)
+    assert phi.grad is not None and phi.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("kind", "unknown attention kind"),
+        ("tq_ne_tk", "Tq == Tk"),
+        ("head_dim", "head dim 192"),
+        ("phi_shape", "phi must be"),
+        ("no_phi", "needs a field phi"),
+        ("block", "power of 2"),
+        ("dtype", "share one dtype"),
+    ],
+)
+def test_bad_input_gives_clear_error(case, match):
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    k = v = q
+    phi = torch.zeros(1, 2, 8, device=DEVICE)
+    kw: dict = {"kind": "fpa"}
+    if case == "kind":
+        kw["kind"] = "linear"
+    elif case == "tq_ne_tk":
+        q = q[:, :, :4]
+    elif case == "head_dim":
+        q = k = v = torch.zeros(1, 2, 8, 192, device=DEVICE)
+    elif case == "phi_shape":
+        phi = phi[..., :7]
+    elif case == "no_phi":
+        phi = None
+    elif case == "block":
+        kw["block_size"] = 24
+    elif case == "dtype":
+        k = k.double()
+    with pytest.raises(ValueError, match=match):
+        fpa_attention_triton(q, k, v, phi, **kw)
+    assert MAX_HEAD_DIM == 128
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,field", [("fpa", "walk"), ("fpa", "direct"), ("fox", "gate")])
+def test_matches_naive_longer(kind, field):
+    q, k, v, u, do = make_inputs(1, 2, 200, 64, field=field, seed=13)
+    got = run_with_grads(fpa_attention_triton, q, k, v, u, do, field, kind=kind, block_size=32)
+    assert_all_close(got, reference(q, k, v, u, do, field, kind), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind,field", [("fpa", "walk"), ("fox", "gate"), ("softmax", "walk")])
+def test_gpu_autotuned_matches_naive(kind, field, d, dtype):
+    q, k, v, u, do = make_inputs(2, 3, 1000, d, dtype=dtype, field=field, seed=d)
+    got = run_with_grads(fpa_attention_triton, q, k, v, u, do, field, kind=kind)
+    assert_all_close(got, reference(q, k, v, u, do, field, kind), dtype)
