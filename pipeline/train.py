@@ -287,7 +287,7 @@ def evaluate(
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
     try:
-        # One pass in stored order when the loader offers it (ShardLoader.iter_once); training state untouched.
+        # One pass in stored order where offered (ShardLoader.iter_once); the training state is untouched.
         it = loader.iter_once() if hasattr(loader, "iter_once") else iter(loader)
         for _ in range(cfg.train.val_batches):
             try:
