@@ -1,0 +1,262 @@
+"""Slurm launching: sbatch scripts for the prepare, train and eval stages of a run, chained by dependencies.
+
+    fpa launch slurm CONFIG... [key=value ...] [--dry-run]
+
+writes <run_dir>/slurm/{prepare,train,eval}.sbatch and submits them as three jobs: train starts after
+prepare succeeded, eval after train succeeded. The train job runs srun + torchrun (c10d rendezvous, no
+ssh), is requeueable, gets USR1 `slurm.signal_seconds` before its time limit (the trainer then saves a
+checkpoint and requeues itself), and always passes train.checkpoint.resume=auto so a requeued job
+continues where it stopped. Logs: <run_dir>/slurm/<stage>-<job id>.{out,err}, appended across requeues.
+
+Every value that reaches the shell (paths, names, overrides) is quoted with shlex.quote; the scripts are
+templates under launch/templates/ filled by plain substitution.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline.config import ConfigError, RunConfig, derive, load_config
+
+STAGES = ("prepare", "train", "eval")
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(ConfigError):
+    """A launch problem (bad value for the scheduler, sbatch missing or refusing); reported as one line."""
+
+
+# -- small helpers -----------------------------------------------------------------------------------
+
+
+def q(value: object) -> str:
+    """Shell-quote one value (sbatch parses the same quoting in #SBATCH lines)."""
+    return shlex.quote(str(value))
+
+
+def _one_line(value: str, what: str) -> str:
+    # sbatch reads its options line by line and a newline inside a comment would end it: refuse.
+    if "\n" in value or "\r" in value or "\0" in value:
+        raise LaunchError(f"{what} contains a line break or NUL: {value!r}")
+    return value
+
+
+def _job_name(cfg: RunConfig, stage: str) -> str:
+    # Job names only label squeue lines: keep them to safe characters instead of quoting them.
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"fpa-{stage}-{cfg.name}")[:120]
+
+
+def _log_pattern(path: Path) -> str:
+    # sbatch expands %j etc. in --output/--error; a literal % in a user path must be doubled.
+    return str(path).replace("%", "%%")
+
+
+def template(name: str) -> str:
+    return (TEMPLATES / name).read_text()
+
+
+def fill(text: str, values: dict[str, str]) -> str:
+    """Replace {{KEY}} placeholders; every placeholder must be known and used."""
+    for key, val in values.items():
+        text = text.replace("{{" + key + "}}", val)
+    left = re.findall(r"{{([A-Z_]+)}}", text)
+    if left:
+        raise LaunchError(f"template placeholder(s) without a value: {', '.join(sorted(set(left)))}")
+    return text
+
+
+def workers_per_task(cfg: RunConfig) -> int:
+    """Training processes each torchrun agent starts: one per GPU, else slurm.nproc_per_node."""
+    return cfg.slurm.gpus_per_node or cfg.slurm.nproc_per_node
+
+
+def world_size(cfg: RunConfig) -> int:
+    s = cfg.slurm
+    return s.nodes * s.tasks_per_node * workers_per_task(cfg)
+
+
+# -- rendering ---------------------------------------------------------------------------------------
+
+
+def sbatch_lines(
+    cfg: RunConfig,
+    stage: str,
+    log_dir: Path,
+    *,
+    log_stem: str | None = None,
+    array: str | None = None,
+    workdir: Path | None = None,
+) -> list[str]:
+    """The #SBATCH header of a stage's script. prepare/eval are one process on one node; train and
+    array jobs get the full allocation, --requeue and the USR1 warning signal."""
+    s = cfg.slurm
+    distributed = stage in ("train", "array")
+    stem = log_stem or f"{stage}-%j"
+    opts: list[tuple[str, object]] = [("job-name", _job_name(cfg, stage))]
+    if distributed:
+        opts += [("nodes", s.nodes), ("ntasks-per-node", s.tasks_per_node)]
+    else:
+        opts += [("nodes", 1), ("ntasks", 1)]
+    opts.append(("cpus-per-task", s.cpus_per_task))
+    if s.gpus_per_node:
+        opts.append(("gpus-per-node", s.gpus_per_node if distributed else 1))
+    if s.mem:
+        opts.append(("mem", s.mem))
+    opts.append(("time", {"prepare": s.prepare_time, "eval": s.eval_time}.get(stage, s.time)))
+    for key in ("partition", "account", "qos"):
+        if getattr(s, key):
+            opts.append((key, getattr(s, key)))
+    if array:
+        opts.append(("array", array))
+    opts += [
+        ("output", _log_pattern(log_dir / f"{stem}.out")),
+        ("error", _log_pattern(log_dir / f"{stem}.err")),
+        ("open-mode", "append"),  # a requeued job adds to its log instead of truncating it
+        ("chdir", workdir or Path.cwd()),
+    ]
+    lines = [f"#SBATCH --{k}={q(_one_line(str(v), f'slurm option --{k}'))}" for k, v in opts]
+    if distributed:
+        lines += ["#SBATCH --requeue", f"#SBATCH --signal=USR1@{s.signal_seconds}"]
+    lines += [f"#SBATCH {_one_line(o, 'slurm.extra_sbatch')}" for o in s.extra_sbatch]
+    return lines
+
+
+def preamble(cfg: RunConfig, config_paths: Sequence[str | Path], omp_threads: int) -> str:
+    s = cfg.slurm
+    exports = [f"export {k}={q(_one_line(v, f'slurm.env.{k}'))}" for k, v in sorted(s.env.items())]
+    return fill(
+        template("preamble.sh"),
+        {
+            "ENV_SETUP": s.env_setup.strip() or "# (none)",  # the user's own shell lines, verbatim
+            "REPO_ROOT": q(REPO_ROOT),
+            "OMP_THREADS": str(max(1, omp_threads)),
+            "ENV_EXPORTS": "\n".join(exports) or "# (none)",
+            "LOCAL_TMP": q(s.local_tmp),
+            "PYTHON": q(s.python or sys.executable),
+            "CONFIGS": " ".join(q(Path(p).resolve()) for p in config_paths),
+        },
+    )
+
+
+def torchrun_block(cfg: RunConfig) -> str:
+    """The srun + torchrun lines that start training on every node (uses $PY, CONFIGS, OVERRIDES)."""
+    s = cfg.slurm
+    port = str(s.rdzv_port) if s.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    return fill(
+        template("torchrun.sh"),
+        {
+            "RDZV_PORT": port,
+            "NPROC": str(workers_per_task(cfg)),
+            "TASKS_PER_NODE": str(s.tasks_per_node),
+            "RDZV_TIMEOUT": str(s.rdzv_timeout),
+        },
+    ).rstrip("\n")
+
+
+def origin_comment(cfg: RunConfig, what: str) -> str:
+    text = f"{what} for run '{cfg.name}', rendered by launch/slurm.py at {time.strftime('%Y-%m-%d %H:%M')}"
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def render_sbatch(cfg: RunConfig, config_paths: list[str], overrides: list[str], stage: str) -> str:
+    """The sbatch script of one stage (prepare | train | eval) of the run `cfg` (loaded from
+    config_paths + overrides, which the job passes to `python -m pipeline.cli <stage>` again)."""
+    if stage not in STAGES:
+        raise LaunchError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    if stage == "train":
+        derive(cfg, world_size(cfg))  # parallel layout errors at submit time, not after queueing
+    log_dir = cfg.run_dir.resolve() / "slurm"
+    threads = cfg.slurm.cpus_per_task // (workers_per_task(cfg) if stage == "train" else 1)
+    values = {
+        "SBATCH": "\n".join(sbatch_lines(cfg, stage, log_dir)),
+        "ORIGIN": origin_comment(cfg, f"{stage} job"),
+        "PREAMBLE": preamble(cfg, config_paths, threads).rstrip("\n"),
+        "OVERRIDES": " ".join(q(o) for o in overrides),
+    }
+    if stage == "train":
+        values["TORCHRUN"] = torchrun_block(cfg)
+    return fill(template(f"{stage}.sbatch"), values)
+
+
+# -- submitting --------------------------------------------------------------------------------------
+
+
+def sbatch_submit(script: Path, dependency: Sequence[str] = ()) -> str:
+    """Submit a script with sbatch (afterok on `dependency`); return the job id."""
+    exe = shutil.which("sbatch")
+    if exe is None:
+        raise LaunchError("sbatch not found on PATH: run this on a Slurm login node (or use --dry-run)")
+    cmd = [exe, "--parsable"]
+    if dependency:
+        cmd.append("--dependency=afterok:" + ":".join(dependency))
+    cmd.append(str(script))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        msg = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise LaunchError(f"sbatch refused {script}: {msg}")
+    return proc.stdout.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
+
+
+def scancel(job_ids: Sequence[str]) -> None:
+    if job_ids and shutil.which("scancel"):
+        subprocess.run(["scancel", *job_ids], capture_output=True)
+
+
+def submit_chain(scripts: Sequence[Path], first_dependency: Sequence[str] = ()) -> list[str]:
+    """Submit scripts so each starts after the previous one succeeded. If one submission fails, the jobs
+    already submitted are cancelled (they would otherwise wait on a dependency forever)."""
+    ids: list[str] = []
+    try:
+        for script in scripts:
+            ids.append(sbatch_submit(script, [ids[-1]] if ids else first_dependency))
+    except LaunchError:
+        scancel(ids)
+        raise
+    return ids
+
+
+def record_submission(path: Path, entry: dict[str, object]) -> None:
+    """Append one line to a JSON-lines log of submissions (which job ids belong to which launch)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def launch_slurm(config_paths: list[str], overrides: list[str], *, dry_run: bool) -> list[str]:
+    """Render the prepare, train and eval scripts into <run_dir>/slurm/ and submit them chained with
+    afterok dependencies; return the job ids. With dry_run, print the scripts and submit nothing."""
+    cfg = load_config(config_paths, overrides)
+    if cfg.train.checkpoint.resume != "auto":
+        print(
+            f"fpa: note: train.checkpoint.resume={cfg.train.checkpoint.resume!r} is replaced by 'auto' "
+            "in the Slurm train job so that a requeued job resumes",
+            file=sys.stderr,
+        )
+    out = cfg.run_dir.resolve() / "slurm"
+    out.mkdir(parents=True, exist_ok=True)
+    scripts: list[Path] = []
+    for stage in STAGES:
+        path = out / f"{stage}.sbatch"
+        path.write_text(render_sbatch(cfg, config_paths, overrides, stage))
+        path.chmod(0o755)
+        scripts.append(path)
+        if dry_run:
+            print(f"# ===== {path} =====")
+            print(path.read_text())
+    if dry_run:
+        return []
+    ids = submit_chain(scripts)
+    entry = {"time": time.time(), "jobs": dict(zip(STAGES, ids))}
+    record_submission(out / "jobs.jsonl", {**entry, "configs": config_paths, "overrides": overrides})
+    for stage, job in zip(STAGES, ids):
+        print(f"submitted {stage}: job {job} (log {out}/{stage}-{job}.out)")
+    return ids

@@ -1,0 +1,513 @@
+"""Sweeps: a grid of config overrides run as one Slurm job array (or locally), then collected into a table.
+
+A sweep file (configs/sweeps/*.yaml):
+
+    name: kind                      # the W&B group and the folder <runs_dir>/sweeps/<name>/
+    configs: [../tiny.yaml]         # base config files, relative to the sweep file
+    overrides:                      # fixed for every run (dotted key: value)
+      train.max_steps: 300
+      data.out_dir: runs/data/tiny  # one prepared copy of the data shared by all runs
+    grid:                           # the cross product of these values
+      model.attention.kind: [fpa, fox, softmax]
+      seed: [1, 2]
+    max_parallel: 0                 # array elements running at once (0: no limit)
+    local_nproc: 1                  # training processes per run with --local
+
+Each grid point is a run named <sweep>.<key>-<value>.<key>-<value> (keys by their last component),
+with its own run dir and logging.group = <sweep>. On Slurm, one prepare job per distinct data dir runs
+first, then one job array whose element i trains and evaluates run i (its overrides are line i of
+<runs_dir>/sweeps/<name>/slurm/runs.tsv). `collect_sweep` reads every run's eval/report.json into
+results.md, results.csv and results.png in the same folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import itertools
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from launch.slurm import (
+    LaunchError,
+    fill,
+    origin_comment,
+    preamble,
+    q,
+    record_submission,
+    render_sbatch,
+    sbatch_lines,
+    sbatch_submit,
+    scancel,
+    template,
+    torchrun_block,
+    workers_per_task,
+    world_size,
+)
+from pipeline.config import ConfigError, derive, load_config
+
+SWEEP_KEYS = {"name", "description", "configs", "overrides", "grid", "max_parallel", "local_nproc"}
+Runner = Callable[[list[str]], int]  # argv for `python -m pipeline.cli` -> exit status
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    index: int  # position in the grid = the job array index
+    name: str
+    values: dict[str, Any]  # this run's grid values, by dotted key
+    overrides: list[str]  # everything after the config files: fixed + grid + name + logging.group
+    run_dir: Path
+    data_dir: Path
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    path: Path
+    configs: list[str]  # absolute paths
+    overrides: list[str]  # the fixed ones
+    grid: dict[str, list[Any]]
+    max_parallel: int
+    local_nproc: int
+    out_dir: Path  # <runs_dir>/sweeps/<name>
+    runs: list[SweepRun]
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+
+def format_value(value: Any) -> str:
+    """A YAML value as override text that OmegaConf reads back as the same value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        try:
+            same = yaml.safe_load(value) == value
+        except yaml.YAMLError:
+            same = False
+        return value if same and value.strip() == value else json.dumps(value)
+    return json.dumps(value)  # lists and mappings: JSON is YAML flow style
+
+
+def _label(value: Any) -> str:
+    text = value if isinstance(value, str) else format_value(value)
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", text).strip("_") or "_"
+
+
+def _short_keys(keys: Sequence[str]) -> dict[str, str]:
+    """Grid keys by their last component, or the full dotted key (dots -> _) where two would clash."""
+    leaves = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (leaf if leaves.count(leaf) == 1 else k.replace(".", "_")) for k, leaf in zip(keys, leaves)}
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read and check a sweep file; every run's config is loaded once, so bad keys fail here."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    unknown = sorted(set(raw) - SWEEP_KEYS)
+    if unknown:
+        allowed = ", ".join(sorted(SWEEP_KEYS))
+        raise ConfigError(f"unknown key '{unknown[0]}' in sweep file {path} (keys: {allowed})")
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise ConfigError(f"'name' in {path} must be letters, digits, '.', '_' or '-'; got {name!r}")
+    configs = raw.get("configs") or []
+    configs = [configs] if isinstance(configs, str) else configs
+    if not isinstance(configs, list) or not all(isinstance(c, str) for c in configs):
+        raise ConfigError(f"'configs' in {path} must be a list of config file paths")
+    configs = [str((path.parent / c).resolve()) for c in configs]
+    fixed = raw.get("overrides") or {}
+    if not isinstance(fixed, dict):
+        raise ConfigError(f"'overrides' in {path} must be a mapping of dotted key: value")
+    grid = raw.get("grid") or {}
+    if not isinstance(grid, dict) or not grid:
+        raise ConfigError(f"'grid' in {path} must be a non-empty mapping of dotted key: [values]")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"grid key '{key}' in {path} must have a non-empty list of values")
+        if key in ("name", "logging.group") or key in fixed:
+            raise ConfigError(f"grid key '{key}' in {path} is also fixed (or set by the sweep itself)")
+    if any(str(k).startswith("slurm.") for k in grid):
+        raise ConfigError(f"the grid in {path} may not vary slurm.* keys (one job array, one allocation)")
+    max_parallel, local_nproc = raw.get("max_parallel", 0), raw.get("local_nproc", 1)
+    if not isinstance(max_parallel, int) or max_parallel < 0:
+        raise ConfigError(f"'max_parallel' in {path} must be an integer >= 0; got {max_parallel!r}")
+    if not isinstance(local_nproc, int) or local_nproc < 1:
+        raise ConfigError(f"'local_nproc' in {path} must be an integer >= 1; got {local_nproc!r}")
+
+    fixed_ov = [f"{k}={format_value(v)}" for k, v in fixed.items()]
+    try:
+        base = load_config(configs, fixed_ov)
+    except ConfigError as e:
+        raise ConfigError(f"sweep {path}: {e}") from None
+    keys = list(grid)
+    short = _short_keys(keys)
+    runs: list[SweepRun] = []
+    seen: dict[str, dict[str, Any]] = {}
+    for index, combo in enumerate(itertools.product(*(grid[k] for k in keys))):
+        values = dict(zip(keys, combo))
+        run_name = ".".join([name] + [f"{short[k]}-{_label(v)}" for k, v in values.items()])
+        if run_name in seen:
+            raise ConfigError(f"grid points {seen[run_name]} and {values} in {path} get the same run name")
+        seen[run_name] = values
+        overrides = [*fixed_ov, *(f"{k}={format_value(v)}" for k, v in values.items())]
+        overrides += [f"name={run_name}", f"logging.group={name}"]
+        try:
+            cfg = load_config(configs, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"sweep {path}, run {run_name}: {e}") from None
+        runs.append(SweepRun(index, run_name, values, overrides, cfg.run_dir, cfg.data_dir))
+    return Sweep(
+        name=name,
+        path=path,
+        configs=configs,
+        overrides=fixed_ov,
+        grid=grid,
+        max_parallel=max_parallel,
+        local_nproc=local_nproc,
+        out_dir=Path(base.runs_dir) / "sweeps" / name,
+        runs=runs,
+    )
+
+
+def expand_sweep(path: str | Path) -> list[SweepRun]:
+    """The runs of a sweep file: one per grid point, in job-array order."""
+    return load_sweep(path).runs
+
+
+# -- running -----------------------------------------------------------------------------------------
+
+
+def _data_groups(sweep: Sweep) -> list[SweepRun]:
+    """The first run of each distinct data dir: whose prepare stage makes the data the others share."""
+    firsts: dict[Path, SweepRun] = {}
+    for run in sweep.runs:
+        firsts.setdefault(run.data_dir.resolve(), run)
+    return list(firsts.values())
+
+
+def render_array(sweep: Sweep, run_list: Path) -> str:
+    """The job-array script: element i trains (srun + torchrun) and then evaluates run i."""
+    cfgs = [load_config(sweep.configs, r.overrides) for r in sweep.runs]
+    cfg = cfgs[0]
+    for other in cfgs[1:]:
+        derive(other, world_size(other))
+    n = len(sweep.runs)
+    array = f"0-{n - 1}" + (f"%{sweep.max_parallel}" if sweep.max_parallel else "")
+    log_dir = sweep.out_dir.resolve() / "slurm"
+    threads = cfg.slurm.cpus_per_task // workers_per_task(cfg)
+    named = dataclasses.replace(cfg, name=sweep.name)  # the job name belongs to the sweep, not to run 0
+    return fill(
+        template("array.sbatch"),
+        {
+            "SBATCH": "\n".join(sbatch_lines(named, "array", log_dir, log_stem="%A_%a", array=array)),
+            "ORIGIN": origin_comment(named, f"job array of sweep {sweep.path}"),
+            "PREAMBLE": preamble(cfg, sweep.configs, threads).rstrip(),
+            "RUN_LIST": q(run_list.resolve()),
+            "SWEEP": sweep.name,
+            "TORCHRUN": torchrun_block(cfg),
+        },
+    )
+
+
+def write_run_list(sweep: Sweep, path: Path) -> None:
+    """Line i: run i's overrides, tab-separated (read by the array script with `read -a`)."""
+    lines = []
+    for run in sweep.runs:
+        for ov in run.overrides:
+            if any(c in ov for c in "\t\n\r\0"):
+                raise LaunchError(f"override {ov!r} of run {run.name} holds a tab or line break")
+        lines.append("\t".join(run.overrides))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _cli_runner(argv: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *argv]).returncode
+
+
+def run_sweep(
+    path: str | Path,
+    *,
+    mode: str = "slurm",
+    dry_run: bool = False,
+    runner: Runner | None = None,
+) -> list[str]:
+    """Run a sweep. mode "slurm": submit one prepare job per distinct data dir and then ONE job array
+    (returns the job ids, prepare jobs first, the array last). mode "local": prepare once per data dir,
+    then train + eval each run in turn through `runner` (default: `python -m pipeline.cli ...` in a
+    subprocess); returns the names of the runs that finished. dry_run prints and submits/runs nothing."""
+    if mode not in ("slurm", "local"):
+        raise ConfigError(f"sweep mode must be 'slurm' or 'local'; got {mode!r}")
+    sweep = load_sweep(path)
+    if mode == "local":
+        return _run_local(sweep, dry_run=dry_run, runner=runner or _cli_runner)
+    out = sweep.out_dir.resolve() / "slurm"
+    out.mkdir(parents=True, exist_ok=True)
+    run_list = out / "runs.tsv"
+    write_run_list(sweep, run_list)
+    scripts: list[Path] = []
+    for i, run in enumerate(_data_groups(sweep)):
+        cfg = load_config(sweep.configs, run.overrides)
+        script = out / f"prepare-{i}.sbatch"
+        script.write_text(render_sbatch(cfg, sweep.configs, run.overrides, "prepare"))
+        scripts.append(script)
+    array = out / "array.sbatch"
+    array.write_text(render_array(sweep, run_list))
+    scripts.append(array)
+    if dry_run:
+        for script in [run_list, *scripts]:
+            print(f"# ===== {script} =====")
+            print(script.read_text())
+        return []
+    ids: list[str] = []
+    try:
+        for script in scripts[:-1]:
+            ids.append(sbatch_submit(script))
+        ids.append(sbatch_submit(array, dependency=ids))
+    except LaunchError:
+        scancel(ids)
+        raise
+    record_submission(
+        out / "jobs.jsonl",
+        {"time": time.time(), "prepare": ids[:-1], "array": ids[-1], "runs": [r.name for r in sweep.runs]},
+    )
+    print(
+        f"submitted sweep {sweep.name}: prepare job(s) {', '.join(ids[:-1])}, array {ids[-1]} "
+        f"({len(sweep.runs)} runs; logs {out}/<array id>_<index>.out)"
+    )
+    return ids
+
+
+def _run_local(sweep: Sweep, *, dry_run: bool, runner: Runner) -> list[str]:
+    steps: list[tuple[str, list[str]]] = []
+    for run in _data_groups(sweep):
+        argv = ["run", "--stages", "prepare", *sweep.configs, *run.overrides]
+        steps.append((f"prepare data for {run.name}", argv))
+    for run in sweep.runs:
+        argv = ["run", "--stages", "train,eval", "--nproc", str(sweep.local_nproc), *sweep.configs]
+        steps.append((run.name, argv + run.overrides))
+    if dry_run:
+        for what, argv in steps:
+            print(f"# {what}\n{' '.join(q(a) for a in [sys.executable, '-m', 'pipeline.cli', *argv])}")
+        return []
+    done: list[str] = []
+    failed: list[str] = []
+    names = {r.name for r in sweep.runs}
+    for what, argv in steps:
+        print(f"fpa sweep {sweep.name}: {what}", file=sys.stderr)
+        rc = runner(argv)
+        if rc != 0:
+            if what not in names:  # no data: every run after would fail the same way
+                raise LaunchError(f"sweep {sweep.name}: '{what}' failed with status {rc}")
+            failed.append(what)
+        elif what in names:
+            done.append(what)
+    if failed:
+        raise LaunchError(f"sweep {sweep.name}: {len(failed)} run(s) failed: {', '.join(failed)}")
+    return done
+
+
+# -- collecting --------------------------------------------------------------------------------------
+
+METRICS = ("final_val_loss", "passkey_accuracy", "cache_fraction", "ppl_last")
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
+def _first_number(d: dict[str, Any], keys: Sequence[str]) -> float | None:
+    for key in keys:
+        if key in d and _number(d[key]) is not None:
+            return _number(d[key])
+    return None
+
+
+def _passkey_accuracy(x: Any) -> float | None:
+    if _number(x) is not None:
+        return _number(x)
+    if not isinstance(x, dict):
+        return None
+    acc = _first_number(x, ("accuracy", "overall_accuracy", "mean_accuracy", "overall", "mean"))
+    if acc is not None:
+        return acc
+    for nested in ("overall", "summary"):
+        if isinstance(x.get(nested), dict):
+            return _passkey_accuracy(x[nested])
+    return None
+
+
+def _cache_fraction(x: Any) -> float | None:
+    if _number(x) is not None:
+        return _number(x)
+    if isinstance(x, dict):
+        return _first_number(x, ("overall", "mean", "fraction"))
+    return None
+
+
+def ppl_curve(x: Any) -> tuple[list[float], list[float]] | None:
+    """(positions, ppl) from the report's ppl_by_position, in any of the shapes an eval may write:
+    {"positions": [...], "ppl": [...]}, {"<position>": ppl, ...}, or a mapping of such per length
+    (the longest is taken)."""
+    if not isinstance(x, dict) or not x:
+        return None
+    pos, ppl = x.get("positions", x.get("position")), x.get("ppl", x.get("perplexity"))
+    if isinstance(pos, list) and isinstance(ppl, list) and len(pos) == len(ppl) and pos:
+        pairs = [(_number(a), _number(b)) for a, b in zip(pos, ppl)]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        return ([a for a, _ in pairs], [b for _, b in pairs]) if pairs else None
+    try:
+        items = sorted((float(k), v) for k, v in x.items())
+    except (TypeError, ValueError):
+        return None
+    if all(_number(v) is not None for _, v in items):
+        return [k for k, _ in items], [float(v) for _, v in items]
+    curves = [c for _, v in items if (c := ppl_curve(v))]
+    return curves[-1] if curves else None
+
+
+def read_report(path: Path) -> tuple[str, dict[str, float | None], tuple[list[float], list[float]] | None]:
+    """(status, metrics, ppl curve) of one run's eval report; status is ok | missing | unreadable."""
+    empty: dict[str, float | None] = dict.fromkeys(METRICS)
+    if not path.is_file():
+        return "missing", empty, None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "unreadable", empty, None
+    if not isinstance(report, dict):
+        return "unreadable", empty, None
+    curve = ppl_curve(report.get("ppl_by_position"))
+    metrics = {
+        "final_val_loss": _first_number(report, ("final_val_loss", "val_loss")),
+        "passkey_accuracy": _passkey_accuracy(report.get("passkey")),
+        "cache_fraction": _cache_fraction(report.get("cache_fraction")),
+        "ppl_last": curve[1][-1] if curve else None,
+    }
+    return "ok", metrics, curve
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def collect_sweep(path: str | Path) -> Path:
+    """Gather every run's <run_dir>/eval/report.json into results.md, results.csv and results.png
+    under <runs_dir>/sweeps/<name>/ (missing values show as "-"); return that folder."""
+    sweep = load_sweep(path)
+    short = _short_keys(list(sweep.grid))
+    keys = list(sweep.grid)
+    table: list[dict[str, Any]] = []
+    curves: dict[str, tuple[list[float], list[float]]] = {}
+    for run in sweep.runs:
+        status, metrics, curve = read_report(run.run_dir / "eval" / "report.json")
+        grid_values = {short[k]: run.values[k] for k in keys}
+        table.append({"run": run.name, **grid_values, **metrics, "status": status})
+        if curve:
+            curves[run.name] = curve
+    out = sweep.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    columns = ["run", *(short[k] for k in keys), *METRICS, "status"]
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(columns)
+    for row in table:
+        writer.writerow(["" if row[c] is None else row[c] for c in columns])
+    (out / "results.csv").write_text(buf.getvalue())
+
+    text = [
+        f"# Sweep {sweep.name}\n",
+        f"{len(table)} runs; reports found: "
+        f"{sum(r['status'] == 'ok' for r in table)}. Source: {sweep.path}\n",
+    ]
+    cells = [[_fmt(r[c]) if c in METRICS else str(r[c]) for c in columns] for r in table]
+    text.append(_markdown(columns, cells))
+    summary = _group_summary(table, [short[k] for k in keys])
+    if summary:
+        text.append("\n## Mean ± std over seeds\n")
+        text.append(summary)
+    (out / "results.md").write_text("\n".join(text))
+    _plot(out / "results.png", sweep.name, table, curves)
+    return out
+
+
+def _group_summary(table: list[dict[str, Any]], grid_cols: list[str]) -> str:
+    """Metrics averaged over the seed axis (if the grid has one), grouped by the other grid values."""
+    if "seed" not in grid_cols:
+        return ""
+    by = [c for c in grid_cols if c != "seed"]
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in table:
+        groups.setdefault(tuple(row[c] for c in by), []).append(row)
+    rows = []
+    for key, members in groups.items():
+        cells = [str(v) for v in key]
+        for metric in METRICS:
+            vals = [m[metric] for m in members if m[metric] is not None]
+            if not vals:
+                cells.append("-")
+            elif len(vals) == 1:
+                cells.append(f"{vals[0]:.4g} (n=1)")
+            else:
+                cells.append(f"{statistics.mean(vals):.4g} ± {statistics.stdev(vals):.2g} (n={len(vals)})")
+        rows.append(cells)
+    return _markdown([*by, *METRICS], rows)
+
+
+def _plot(path: Path, title: str, table: list[dict[str, Any]], curves: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["run"].split(".", 1)[-1] for r in table]
+    losses = [r["final_val_loss"] if r["final_val_loss"] is not None else math.nan for r in table]
+    ax_loss.bar(range(len(table)), losses, color="tab:blue")
+    ax_loss.set_xticks(range(len(table)), names, rotation=45, ha="right", fontsize=8)
+    ax_loss.set_ylabel("final validation loss")
+    ax_loss.set_title(f"{title}: final validation loss (missing runs left empty)")
+    for name, (pos, ppl) in curves.items():
+        ax_ppl.plot(pos, ppl, marker="o", ms=3, label=name.split(".", 1)[-1])
+    ax_ppl.set_xlabel("position")
+    ax_ppl.set_ylabel("perplexity")
+    ax_ppl.set_title("perplexity by position" if curves else "perplexity by position (no data)")
+    if curves:
+        ax_ppl.set_yscale("log")
+        ax_ppl.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

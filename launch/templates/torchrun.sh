@@ -1,0 +1,18 @@
+# One torchrun agent per Slurm task; agents meet at a c10d rendezvous hosted on the first node
+# (no ssh, no pdsh). The port is derived from the job id so jobs sharing a node do not clash.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+rdzv_port={{RDZV_PORT}}
+echo "fpa: job ${SLURM_JOB_ID} train: ${SLURM_NTASKS} agents x {{NPROC}} workers, rendezvous ${head_node}:${rdzv_port}," \
+    "restart ${SLURM_RESTART_COUNT:-0}"
+# --signal=USR1@N (without B:) makes Slurm send USR1 to every process of the job step. torchrun itself
+# would die of it (it handles TERM/INT/HUP/QUIT only), so each task ignores USR1 and then execs torchrun
+# (an ignored signal stays ignored across exec); the training workers install their own handler (save a
+# checkpoint, `scontrol requeue`, exit) and receive the signal directly. train.checkpoint.resume=auto
+# makes the requeued job continue from that checkpoint.
+srun --kill-on-bad-exit=1 --ntasks-per-node={{TASKS_PER_NODE}} \
+    bash -c 'trap "" USR1; mkdir -p "$TRITON_CACHE_DIR"; exec "$@"' fpa-task \
+    "$PY" -m torch.distributed.run \
+    --nnodes="$SLURM_NTASKS" --nproc-per-node={{NPROC}} \
+    --rdzv-backend=c10d --rdzv-endpoint="${head_node}:${rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \
+    --rdzv-conf=join_timeout={{RDZV_TIMEOUT}} --max-restarts=0 \
+    -m pipeline.cli train "${CONFIGS[@]}" "${OVERRIDES[@]}" train.checkpoint.resume=auto
