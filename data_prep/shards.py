@@ -285,10 +285,14 @@ def read_shard(
             except Exception as e:  # a pipe: command that failed reports its exit status on close
                 raise DataError(f"shard {url}: reader failed ({str(e).splitlines()[0]})") from None
     rows = np.concatenate(parts) if parts else np.zeros((0, seq_len + 1), dtype=dtype)
+    if stream.nbytes != shard.bytes:
+        raise DataError(
+            f"shard {url} is truncated or corrupt ({stream.nbytes} bytes, index.json says {shard.bytes})"
+        )
     if verify and stream.sha.hexdigest() != shard.sha256:
         raise DataError(
             f"shard {url} does not match index.json (sha256 {stream.sha.hexdigest()[:12]}..., "
-            f"expected {shard.sha256[:12]}...; {stream.nbytes} of {shard.bytes} bytes)"
+            f"expected {shard.sha256[:12]}...)"
         )
     if len(rows) != shard.sequences:
         raise DataError(f"shard {url} holds {len(rows)} sequences, index.json says {shard.sequences}")

