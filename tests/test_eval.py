@@ -1,0 +1,276 @@
+"""Evaluation: bits per byte and loss by position against hand computations, passkey grid aggregation,
+and the whole `evaluate` -> report.json / report.md / compare_reports path on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from data_prep import passkey as protocol
+from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
+from pipeline.config import RunConfig, load_config, to_yaml
+
+SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from data_prep.prepare import prepare_data
+
+    out = tmp_path_factory.mktemp("evaldata") / "data"
+    cfg = DataConfig(
+        train=SourceConfig(type="packaged", name="kjv", max_docs=60),
+        val_fraction=0.25,
+        tokenizer=TokenizerConfig(vocab_size=512),
+        seq_len=SEQ_LEN,
+        sequences_per_member=16,
+        sequences_per_shard=64,  # several validation shards: the stream must cross shard borders
+        num_workers=1,
+    )
+    prepare_data(cfg, out, progress=False)
+    return out
+
+
+def _run_cfg(tmp: Path, data_dir: Path, name: str, kind: str, overrides: list[str] = ()) -> RunConfig:
+    return load_config(
+        [],
+        [
+            f"name={name}",
+            f"runs_dir={tmp}",
+            f"data.out_dir={data_dir}",
+            f"data.seq_len={SEQ_LEN}",
+            "model.vocab_size=512",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.d_model=32",
+            f"model.attention.kind={kind}",
+            "model.attention.impl=naive",
+            "eval.passkey.length_multipliers=[1,2]",
+            "eval.passkey.depths=[0.0,1.0]",
+            "eval.passkey.trials=2",
+            "eval.ppl_length_multipliers=[1,2]",
+            "eval.ppl_bucket=32",
+            "eval.ppl_sequences=2",
+            "eval.cache.prefill_chunk=64",
+            "logging.wandb_mode=disabled",
+            *overrides,
+        ],
+    )
+
+
+def _export_random_model(cfg: RunConfig, seed: int = 0) -> Path:
+    """A randomly initialised GPT written exactly as pipeline.export writes one."""
+    from fpa_model.model import GPT
+    from pipeline.export import CONFIG, WEIGHTS
+
+    torch.manual_seed(seed)
+    model = GPT(cfg.model)
+    with torch.no_grad():  # a field with structure, so eviction has something to do
+        for blk in model.blocks:
+            if blk.attn.field_proj is not None:
+                blk.attn.field_proj.weight.normal_(0, 0.3)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.model.tie_embeddings:
+        sd.pop("lm_head.weight")
+    out = cfg.run_dir / "export"
+    out.mkdir(parents=True)
+    save_file(sd, str(out / WEIGHTS))
+    (out / CONFIG).write_text(to_yaml(cfg))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_token_byte_lengths_count_utf8_bytes(data_dir: Path) -> None:
+    from data_prep.tokenizer import load_tokenizer
+    from pipeline.evaluation.perplexity import token_byte_lengths
+
+    tok = load_tokenizer(data_dir)
+    nbytes = token_byte_lengths(tok)
+    text = "And God said, Let there be light: and there was light. Café naïve — ünïcode ✓ 12345."
+    ids = tok.encode(text).ids
+    assert int(nbytes[ids].sum()) == len(text.encode("utf-8"))
+    assert nbytes[tok.token_to_id("<|endoftext|>")] == 0
+
+
+def test_validation_stream_is_the_rows_in_order(data_dir: Path) -> None:
+    from data_prep.index import load_index
+    from data_prep.shards import read_shard
+    from pipeline.evaluation.perplexity import validation_stream
+
+    index = load_index(data_dir)
+    shards = index.shards("validation")
+    assert len(shards) >= 2
+    rows = np.concatenate([read_shard(data_dir, s, seq_len=SEQ_LEN, dtype=index.dtype) for s in shards[:2]])
+    n = shards[0].tokens + 10  # crosses into the second shard
+    assert np.array_equal(validation_stream(data_dir, n), rows.reshape(-1)[:n])
+
+
+def test_perplexity_matches_hand_computation(tmp_path: Path, data_dir: Path) -> None:
+    from data_prep.tokenizer import load_tokenizer
+    from fpa_model.model import GPT
+    from pipeline.evaluation.perplexity import run_perplexity, token_byte_lengths, validation_stream
+
+    cfg = _run_cfg(tmp_path, data_dir, "ppl", "fpa")
+    torch.manual_seed(1)
+    model = GPT(cfg.model).eval()
+    tok = load_tokenizer(data_dir)
+    res = run_perplexity(
+        model,
+        tok,
+        data_dir=data_dir,
+        seq_len=SEQ_LEN,
+        multipliers=[1, 2],
+        bucket=32,
+        sequences=2,
+        out_dir=tmp_path,
+    )
+    stream = torch.from_numpy(validation_stream(data_dir, 2 * (2 * SEQ_LEN + 1)))
+    win = stream.view(2, 2 * SEQ_LEN + 1)
+    with torch.no_grad():
+        loss = F.cross_entropy(model(win[:, :-1]).transpose(1, 2), win[:, 1:], reduction="none")
+    r = res["lengths"][str(2 * SEQ_LEN)]
+    assert r["windows"] == 2
+    assert r["loss"] == pytest.approx(float(loss.mean()), rel=1e-5)
+    assert r["bucket_start"] == list(range(0, 2 * SEQ_LEN, 32))
+    assert r["loss_by_bucket"][1] == pytest.approx(float(loss[:, 32:64].mean()), rel=1e-5)
+    assert r["loss_beyond_train_len"] == pytest.approx(float(loss[:, SEQ_LEN:].mean()), rel=1e-5)
+    nbytes = int(token_byte_lengths(tok)[win[:, 1:].numpy()].sum())
+    assert r["bits_per_byte"] == pytest.approx(float(loss.sum()) / math.log(2) / nbytes, rel=1e-5)
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"]), rel=1e-6)
+    assert json.loads((tmp_path / "perplexity.json").read_text()) == res
+    assert (tmp_path / "perplexity.png").stat().st_size > 1000
+
+
+def test_passkey_grid_scores_and_aggregates(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in decoder that answers right only when the needle is at depth 0: the grid must say so."""
+    from data_prep.tokenizer import load_tokenizer
+    from fpa_model.cache import KVCache, LayerCache
+    from fpa_model.model import GPT
+    from pipeline.evaluation import passkey as pk_eval
+
+    tok = load_tokenizer(data_dir)
+    cfg = _run_cfg(tmp_path, data_dir, "grid", "fpa")
+    model = GPT(cfg.model).eval()
+    seen_prompts: list[list[int]] = []
+
+    def fake_generate(model, idx, max_new, *, policy, chunk_size):  # noqa: ANN001
+        outs = []
+        for row in idx.tolist():
+            seen_prompts.append(row)
+            text = tok.decode(row)
+            key = protocol.parse_answer(text)
+            early = text.find("The pass key") < len(text) // 4
+            ans = protocol.answer_text(key) if early else " 0."
+            outs.append((protocol.encode(tok, ans) + [0] * max_new)[:max_new])
+        cache = KVCache([LayerCache("fpa") for _ in range(2)])
+        for lc in cache.layers:  # report a fixed fraction to check it is carried through
+            lc.seen, lc.valid = 4, torch.tensor([[[True, False, False, False]]])
+        return torch.tensor(outs), cache
+
+    monkeypatch.setattr(pk_eval, "generate", fake_generate)
+    logged = []
+
+    class Logger:
+        def log_table(self, name, columns, rows):  # noqa: ANN001
+            logged.append((name, columns, rows))
+
+    res = pk_eval.run_passkey(
+        model,
+        tok,
+        seq_len=SEQ_LEN,
+        pk=cfg.eval.passkey,
+        cache_cfg=cfg.eval.cache,
+        out_dir=tmp_path,
+        prefix_ids=[0],
+        logger=Logger(),
+    )
+    assert set(res["modes"]) == {"full", "compressed"}
+    budget = pk_eval.answer_budget(cfg.eval.passkey.digits)
+    assert {len(p) for p in seen_prompts} == {SEQ_LEN - budget, 2 * SEQ_LEN - budget}
+    for mode in ("full", "compressed"):
+        m = res["modes"][mode]
+        assert m["grid"] == [[1.0, 0.0], [1.0, 0.0]]  # [length][depth]
+        assert m["accuracy"] == 0.5
+        assert m["accuracy_per_length"] == {str(SEQ_LEN): 0.5, str(2 * SEQ_LEN): 0.5}
+        assert m["cache_fraction"] == pytest.approx(0.25)
+        assert m["cache_fraction_per_layer"] == pytest.approx([0.25, 0.25])
+    # Both modes use the same keys per cell.
+    kf = [c["keys"] for c in res["modes"]["full"]["cells"]]
+    assert kf == [c["keys"] for c in res["modes"]["compressed"]["cells"]]
+    assert logged and logged[0][0] == "eval/passkey" and len(logged[0][2]) == 8
+    assert (tmp_path / "passkey.png").stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_evaluate_writes_report_and_compares_runs(tmp_path: Path, data_dir: Path) -> None:
+    from pipeline.evaluation import REPORT_KEYS, compare_reports, evaluate, load_report
+
+    dirs = []
+    for name, kind in (("fpa-run", "fpa"), ("softmax-run", "softmax")):
+        cfg = _run_cfg(tmp_path, data_dir, name, kind)
+        _export_random_model(cfg)
+        headline = evaluate(cfg)
+        assert headline["kind"] == kind
+        ev = cfg.run_dir / "eval"
+        for f in (
+            "passkey.json",
+            "passkey.png",
+            "perplexity.json",
+            "perplexity.png",
+            "report.json",
+            "report.md",
+        ):
+            assert (ev / f).is_file(), f
+        rep = load_report(cfg.run_dir)
+        assert tuple(rep) == REPORT_KEYS
+        assert rep["run"] == name and rep["seq_len"] == SEQ_LEN
+        assert rep["final_val_loss_source"] == "eval"  # no training manifest: the eval loss at 1x
+        ppl = json.loads((ev / "perplexity.json").read_text())
+        assert rep["final_val_loss"] == pytest.approx(ppl["lengths"][str(SEQ_LEN)]["loss"])
+        assert set(rep["passkey_accuracy_per_length"]) == {str(SEQ_LEN), str(2 * SEQ_LEN)}
+        assert set(rep["ppl_by_position"]) == {str(SEQ_LEN), str(2 * SEQ_LEN)}
+        assert 0.0 <= rep["passkey_accuracy"] <= 1.0
+        md = (ev / "report.md").read_text()
+        assert f"# Evaluation: {name}" in md and "Passkey accuracy, full cache" in md
+        dirs.append(cfg.run_dir)
+        if kind == "fpa":
+            assert rep["field"] == "walk"
+            assert 0.0 < rep["cache_fraction"] < 1.0  # the random field evicts some keys
+            assert len(rep["cache_fraction_per_layer"]) == 2
+            assert rep["passkey_accuracy_compressed"] is not None
+        else:
+            assert rep["field"] is None
+            assert rep["cache_fraction"] == 1.0
+            assert rep["passkey_accuracy_compressed"] is None
+    table = compare_reports(dirs)
+    assert "| fpa-run | fpa | walk |" in table
+    assert "| softmax-run | softmax | - |" in table
+    assert str(2 * SEQ_LEN) in table
+
+
+def test_missing_weights_and_reports_are_clear_errors(tmp_path: Path, data_dir: Path) -> None:
+    from pipeline.evaluation import EvalError, load_report, resolve_weights
+
+    cfg = _run_cfg(tmp_path, data_dir, "nothing", "fpa")
+    with pytest.raises(EvalError, match="no exported weights at .*model.safetensors"):
+        resolve_weights(cfg)
+    with pytest.raises(ValueError, match="no evaluation report at"):
+        load_report(cfg.run_dir)
+    bad = cfg.run_dir / "eval"
+    bad.mkdir(parents=True)
+    (bad / "report.json").write_text('{"schema_version": 1, "run": "x"}')
+    with pytest.raises(ValueError, match="missing keys"):
+        load_report(cfg.run_dir)
