@@ -296,6 +296,44 @@ def _between_min(minima: Tensor, b: int, a: int) -> tuple[Tensor, int | Tensor |
 # The autograd Function
 
 
+def _row_tiles(n: int, rows: int) -> list[tuple[int, int]]:
+    return [(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+class _Field:
+    """The field of this rank's chunks in global values, and the chunk minima of the whole sequence."""
+
+    def __init__(self, u: Tensor, field: str, ids: tuple[int, ...], group: Any, world: int, layout: str):
+        n_local = len(ids)
+        uc = u.detach().float().unflatten(-1, (n_local, -1))  # (B,H,n,c)
+        cumulative = field in ("walk", "gate")
+        cs = uc.cumsum(-1) if cumulative else uc
+        mn, am = _ops().block_min(cs)  # lowest argmin among ties
+        tot = cs[..., -1] if cumulative else torch.zeros_like(mn)
+        stats = torch.stack([tot, mn, am.to(mn.dtype)], dim=-1).permute(2, 0, 1, 3)  # (n,B,H,3)
+        g = _all_gather_chunks(stats, group, world, layout)  # (N,B,H,3): the one collective of the forward
+        offsets = torch.cumsum(g[..., 0], dim=0) - g[..., 0]  # exclusive scan of the increment totals
+        self.minima = g[..., 1] + offsets  # (N,B,H) chunk minima in global field values
+        self.argmin = g[..., 2].round().long()  # (N,B,H) their position inside the chunk
+        self.phi = (cs + offsets[list(ids)].permute(1, 2, 0)[..., None]).flatten(-2)  # (B,H,T_local)
+
+
+def _query_prefix(phi_q: Tensor | None, kind: str) -> tuple[Tensor | None, Tensor | None]:
+    """Prefix minima of a query chunk's field (fpa only): folded into M for row tiles after the first."""
+    if kind != "fpa" or phi_q is None:
+        return None, None
+    return _ops().prefix_min(phi_q)
+
+
+def _tile_m(kind: str, m: Tensor | None, pmin: Tensor | None, s: int) -> tuple[Tensor | None, Tensor | None]:
+    """M for query rows [s, e): min(M, min phi_q[:s]); and where M itself wins (it is earlier: ties)."""
+    if kind != "fpa" or s == 0:
+        return m, None
+    pref = pmin[..., s - 1]
+    m_wins = m <= pref
+    return torch.where(m_wins, m, pref), m_wins
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -309,33 +347,24 @@ class _ContextParallelAttention(torch.autograd.Function):
         layout: str,
         group: Any,
         scale: float,
-        block_size: int,
+        rows: int,
     ) -> Tensor:
+        ops = _ops()
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
         c = q.shape[-2] // n_local
-        has_field = kind != "softmax"
-        cumulative = field in ("walk", "gate")
+        fld = _Field(u, field, ids, group, world, layout) if kind != "softmax" else None
+        phi = fld.phi if fld is not None else None
 
-        phi = minima = argmin = None
-        if has_field:
-            assert u is not None
-            uc = u.detach().float().unflatten(-1, (n_local, c))  # (B,H,n,c)
-            cs = uc.cumsum(-1) if cumulative else uc
-            mn, am = cs.min(dim=-1)  # first index among ties
-            tot = cs[..., -1] if cumulative else torch.zeros_like(mn)
-            stats = torch.stack([tot, mn, am.to(mn.dtype)], dim=-1).permute(2, 0, 1, 3)  # (n,B,H,3)
-            g = _all_gather_chunks(stats, group, world, layout)  # (N,B,H,3)
-            offsets = torch.cumsum(g[..., 0], dim=0) - g[..., 0]  # exclusive scan of the totals
-            minima = g[..., 1] + offsets
-            argmin = g[..., 2].round().long()
-            phi = (cs + offsets[list(ids)].permute(1, 2, 0)[..., None]).flatten(-2)  # (B,H,Tl) global values
-
-        ring = _Ring(group) if world > 1 else None
         qs = q.split(c, dim=-2)
         phis_q = phi.split(c, dim=-1) if phi is not None else [None] * n_local
-        acc: list[tuple[Tensor, Tensor] | None] = [None] * n_local
+        pmins = [_query_prefix(p, kind)[0] for p in phis_q]
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        outs, lses = out.split(c, dim=-2), lse.split(c, dim=-1)  # views, filled in place
+
+        ring = _Ring(group) if world > 1 else None
         travel = [k, v] + ([phi] if phi is not None else [])
         for step in range(world):
             src = (rank - step) % world
@@ -346,48 +375,58 @@ class _ContextParallelAttention(torch.autograd.Function):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a:
                         continue
-                    if b == a:
-                        o, lse = _ops().diagonal_forward(
-                            qs[ia], kk[ib], vv[ib], phis_q[ia], kind=kind, scale=scale, block_size=block_size
-                        )
-                    else:
-                        m = _between_min(minima, b, a)[0] if kind == "fpa" else None
-                        o, lse = _ops().cross_forward(
-                            qs[ia], kk[ib], vv[ib], phis_q[ia], pk[ib], m,
-                            kind=kind, scale=scale, block_size=block_size,
-                        )  # fmt: skip
-                    acc[ia] = (o, lse) if acc[ia] is None else _ops().merge_partials(*acc[ia], o, lse)
+                    m = _between_min(fld.minima, b, a)[0] if kind == "fpa" else None
+                    for s, e in _row_tiles(c, rows):
+                        qt = qs[ia][..., s:e, :]
+                        if b == a:  # causal: rows [s, e) see keys [0, e) of the same chunk
+                            pd = pk[ib][..., :e] if phi is not None else None
+                            o, lt = ops.fpa_diag_forward(
+                                qt, kk[ib][..., :e, :], vv[ib][..., :e, :], pd, kind=kind, scale=scale
+                            )
+                        else:
+                            mt = _tile_m(kind, m, pmins[ia], s)[0]
+                            pq = phis_q[ia][..., s:e] if phi is not None else None
+                            o, lt = ops.fpa_cross_forward(
+                                qt, kk[ib], vv[ib], pq, pk[ib], mt, kind=kind, scale=scale
+                            )
+                        o_m, l_m = ops.merge_lse(outs[ia][..., s:e, :], lses[ia][..., s:e], o, lt)
+                        outs[ia][..., s:e, :] = o_m
+                        lses[ia][..., s:e] = l_m
             if pending is not None:
                 ring.wait(pending[1])
                 travel = pending[0]
 
-        out = torch.cat([a[0] for a in acc], dim=-2)  # type: ignore[index]
-        lse = torch.cat([a[1] for a in acc], dim=-1)  # type: ignore[index]
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, phi, out, lse, minima, argmin)
-        ctx.meta = (kind, field, layout, group, scale, block_size, u is not None)
-        return out
+        out_t = out.to(q.dtype)
+        minima = fld.minima if fld is not None else None
+        argmin = fld.argmin if fld is not None else None
+        ctx.save_for_backward(q, k, v, phi, out_t, lse, minima, argmin)
+        ctx.meta = (kind, field, layout, group, scale, rows, u is not None)
+        return out_t
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        ops = _ops()
         q, k, v, phi, out, lse, minima, argmin = ctx.saved_tensors
-        kind, field, layout, group, scale, block_size, has_u = ctx.meta
+        kind, field, layout, group, scale, rows, has_u = ctx.meta
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
         c = q.shape[-2] // n_local
         has_field = phi is not None
-        ring = _Ring(group) if world > 1 else None
-        n_all = num_chunks(world, layout)
 
-        qs, outs, douts = q.split(c, -2), out.split(c, -2), dout.contiguous().split(c, -2)
-        lses = lse.split(c, -1)
+        delta = ops.attention_delta(dout, out)  # (B,H,T_local), full rows: computed once
+        qs, douts, lses, deltas = q.split(c, -2), dout.split(c, -2), lse.split(c, -1), delta.split(c, -1)
         phis_q = phi.split(c, dim=-1) if has_field else [None] * n_local
-        dq = [torch.zeros_like(t, dtype=torch.float32) for t in qs]
-        dphi_q = [torch.zeros_like(t) for t in phis_q] if has_field else None
-        dm_buf = torch.zeros_like(minima) if kind == "fpa" else None  # (N,B,H)
+        prefix = [_query_prefix(p, kind) for p in phis_q]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqs = dq.split(c, -2)
+        dphi_q = torch.zeros_like(phi) if has_field else None
+        dphis_q = dphi_q.split(c, -1) if has_field else None
+        dm_buf = torch.zeros_like(minima) if kind == "fpa" else None  # (N,B,H): dM per chunk holding M
 
+        ring = _Ring(group) if world > 1 else None
         travel = [k, v] + ([phi] if has_field else [])
+        # dK, dV, dphi_K accumulators travel with their keys; after W hops they are back at the owner.
         grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         if has_field:
             grads.append(torch.zeros_like(phi))
@@ -396,68 +435,102 @@ class _ContextParallelAttention(torch.autograd.Function):
             pending = ring.start(travel) if ring is not None and step < world - 1 else None
             kk, vv = travel[0].split(c, -2), travel[1].split(c, -2)
             pk = travel[2].split(c, -1) if has_field else [None] * n_local
-            gk, gv = grads[0].split(c, -2), grads[1].split(c, -2)  # views: += writes through
+            gk, gv = grads[0].split(c, -2), grads[1].split(c, -2)  # views: in-place adds write through
             gp = grads[2].split(c, -1) if has_field else None
             for ia, a in enumerate(ids):
+                pmin, parg = prefix[ia]
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a:
                         continue
-                    if b == a:
-                        r = _ops().diagonal_backward(
-                            douts[ia], qs[ia], kk[ib], vv[ib], phis_q[ia], outs[ia], lses[ia],
-                            kind=kind, scale=scale, block_size=block_size,
-                        )  # fmt: skip
-                        dqa, dkb, dvb, dphia = r[:4]
-                        dphib = dm = None
-                    else:
-                        m, m_at = _between_min(minima, b, a) if kind == "fpa" else (None, None)
-                        r = _ops().cross_backward(
-                            douts[ia], qs[ia], kk[ib], vv[ib], phis_q[ia], pk[ib], m, outs[ia], lses[ia],
-                            kind=kind, scale=scale, block_size=block_size,
-                        )  # fmt: skip
-                        dqa, dkb, dvb, dphia, dphib, dm = r[:6]
-                        if dm is not None and m_at is not None:
-                            dm_buf.scatter_add_(0, m_at[None], dm.float()[None])
-                    dq[ia] += dqa
-                    gk[ib].add_(dkb)
-                    gv[ib].add_(dvb)
-                    if has_field:
-                        if dphia is not None:
-                            dphi_q[ia] += dphia
-                        if dphib is not None:
-                            gp[ib].add_(dphib)
+                    m, m_at = _between_min(minima, b, a) if kind == "fpa" else (None, None)
+                    for s, e in _row_tiles(c, rows):
+                        args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
+                        tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}
+                        if b == a:
+                            pd = pk[ib][..., :e] if has_field else None
+                            g = ops.fpa_diag_backward(
+                                *args,
+                                kk[ib][..., :e, :],
+                                vv[ib][..., :e, :],
+                                pd,
+                                **tile,
+                                kind=kind,
+                                scale=scale,
+                            )
+                            dqs[ia][..., s:e, :] += g.dq
+                            gk[ib][..., :e, :] += g.dk
+                            gv[ib][..., :e, :] += g.dv
+                            if has_field:
+                                dphis_q[ia][..., :e] += g.dphi
+                            continue
+                        mt, m_wins = _tile_m(kind, m, pmin, s)
+                        pq = phis_q[ia][..., s:e] if has_field else None
+                        g = ops.fpa_cross_backward(
+                            *args, kk[ib], vv[ib], pq, pk[ib], mt, **tile, kind=kind, scale=scale
+                        )
+                        dqs[ia][..., s:e, :] += g.dq
+                        gk[ib].add_(g.dk)
+                        gv[ib].add_(g.dv)
+                        if not has_field:
+                            continue
+                        dphis_q[ia][..., s:e] += g.dphi_q
+                        gp[ib].add_(g.dphi_k)
+                        if kind != "fpa":
+                            continue
+                        # The tile's M is min(M between chunks, phi_q before row s): route dM to its argmin.
+                        dm_between = g.dm if m_wins is None else g.dm * m_wins
+                        if m_at is not None:
+                            dm_buf.scatter_add_(0, m_at[None], dm_between[None])
+                        if m_wins is not None:
+                            dm_pref = g.dm.masked_fill(m_wins, 0.0)
+                            dphis_q[ia].scatter_add_(-1, parg[..., s - 1 : s], dm_pref[..., None])
             if ring is not None:
-                grads = ring.shift(grads)  # the accumulators follow their keys; after W hops they are home
+                grads = ring.shift(grads)
             if pending is not None:
                 ring.wait(pending[1])
                 travel = pending[0]
 
-        dq_t = torch.cat(dq, dim=-2).to(q.dtype)
         dk_t, dv_t = grads[0].to(k.dtype), grads[1].to(v.dtype)
         du = None
         if has_field and has_u:
-            dphi = grads[2] + torch.cat(dphi_q, dim=-1)
-            dphi_c = dphi.unflatten(-1, (n_local, c))  # (B,H,n,c)
-            cumulative = field in ("walk", "gate")
-            if kind == "fpa" or cumulative:
-                # One all-reduce returns the M gradients to the argmin owners and shares the chunk totals.
-                buf = dphi.new_zeros((n_all, *dphi.shape[:2], 2))
-                if dm_buf is not None:
-                    buf[..., 0] = dm_buf
-                buf[list(ids), ..., 1] = dphi_c.sum(-1).permute(2, 0, 1)
-                if world > 1:
-                    dist.all_reduce(buf, group=group)
-                if dm_buf is not None:
-                    own = buf[list(ids), ..., 0].permute(1, 2, 0)  # (B,H,n)
-                    at = argmin[list(ids)].permute(1, 2, 0)  # (B,H,n) index inside the chunk
-                    dphi_c = dphi_c.scatter_add(-1, at[..., None], own[..., None])
-                if cumulative:
-                    totals = buf[..., 0] + buf[..., 1]  # (N,B,H) dphi per chunk after routing
-                    later = totals.flip(0).cumsum(0).flip(0) - totals  # sum over strictly later chunks
-                    rev = dphi_c.flip(-1).cumsum(-1).flip(-1)
-                    dphi_c = rev + later[list(ids)].permute(1, 2, 0)[..., None]
-            du = dphi_c.flatten(-2)
-        return dq_t, dk_t, dv_t, du, None, None, None, None, None, None
+            du = _field_backward(grads[2] + dphi_q, dm_buf, argmin, kind, field, ids, group, world, layout)
+        return dq.to(q.dtype), dk_t, dv_t, du, None, None, None, None, None, None
+
+
+def _field_backward(
+    dphi: Tensor,
+    dm_buf: Tensor | None,
+    argmin: Tensor,
+    kind: str,
+    field: str,
+    ids: tuple[int, ...],
+    group: Any,
+    world: int,
+    layout: str,
+) -> Tensor:
+    """du from dphi of this rank's chunks, dM of every chunk pair (routed here) and the scan's reverse."""
+    n_local = len(ids)
+    dphi_c = dphi.unflatten(-1, (n_local, -1))  # (B,H,n,c)
+    cumulative = field in ("walk", "gate")
+    if kind != "fpa" and not cumulative:
+        return dphi
+    # One all-reduce returns the M gradients to the owners of the argmin tokens and shares the chunk
+    # totals of dphi that the reverse scan of walk/gate fields needs.
+    buf = dphi.new_zeros((num_chunks(world, layout), *dphi.shape[:2], 2))
+    if dm_buf is not None:
+        buf[..., 0] = dm_buf
+    buf[list(ids), ..., 1] = dphi_c.sum(-1).permute(2, 0, 1)
+    if world > 1:
+        dist.all_reduce(buf, group=group)
+    if dm_buf is not None:
+        own = buf[list(ids), ..., 0].permute(1, 2, 0)  # (B,H,n)
+        at = argmin[list(ids)].permute(1, 2, 0)  # (B,H,n) position inside the chunk
+        dphi_c = dphi_c.scatter_add(-1, at[..., None], own[..., None])
+    if cumulative:
+        totals = buf[..., 0] + buf[..., 1]  # (N,B,H) dphi per chunk after the routing
+        later = totals.flip(0).cumsum(0).flip(0) - totals  # sum over the strictly later chunks
+        dphi_c = dphi_c.flip(-1).cumsum(-1).flip(-1) + later[list(ids)].permute(1, 2, 0)[..., None]
+    return dphi_c.flatten(-2)
 
 
 def context_parallel_attention(
@@ -508,5 +581,59 @@ def context_parallel_attention(
             f"local sequence length {q.shape[-2]} must be divisible by {n_local} ({layout} layout: each rank "
             f"holds {n_local} chunks); shard with fpa_model.context_parallel.shard_sequence"
         )
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _ContextParallelAttention.apply(q, k, v, u_or_phi, kind, field, layout, group, scale, block_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model integration
+
+
+def attention_forward_sp(attn: Any, x: Tensor, group: Any, *, layout: str = "zigzag") -> Tensor:
+    """What fpa_model.attention.Attention.forward computes, for x (B, T/W, d_model) = this rank's tokens.
+
+    Projections, qk-norm and the field increments are per token; RoPE gets each chunk's absolute offset
+    (a zigzag rank holds two chunks far apart); the attention op runs across the group.
+    """
+    rank, world = _group_info(group)
+    ids = chunk_ids(rank, world, layout)
+    c = x.shape[1] // len(ids)
+    if x.shape[1] % len(ids):
+        raise ValueError(
+            f"local sequence length {x.shape[1]} is not divisible by {len(ids)} ({layout} layout)"
+        )
+    if getattr(attn, "use_rope", False) and len(ids) > 1:
+        parts = [attn.project(xc, pos_offset=i * c) for i, xc in zip(ids, x.split(c, dim=1))]
+        q, k, v = (torch.cat([p[j] for p in parts], dim=2) for j in range(3))
+        u = None if parts[0][3] is None else torch.cat([p[3] for p in parts], dim=-1)
+    else:
+        q, k, v, u = attn.project(x, pos_offset=ids[0] * c)
+    o = context_parallel_attention(
+        q, k, v, u, kind=attn.kind, field=attn.field_mode or "walk", group=group,
+        block_size=attn.cfg.block_size, layout=layout,
+    )  # fmt: skip
+    return attn.output(o, x)
+
+
+def enable_sequence_parallel(model: torch.nn.Module, group: Any, *, layout: str = "zigzag") -> int:
+    """Make every Attention layer of `model` attend across `group` (None switches back); returns the count.
+
+    The model's forward then takes this rank's tokens (shard_batch) and returns this rank's logits; use
+    sequence_parallel_cross_entropy for the loss. Layers see the group through Attention.sp_group.
+    """
+    from fpa_model.attention import Attention
+
+    _check_layout(layout)
+    if not hasattr(Attention, "sp_group"):
+        raise RuntimeError(
+            "fpa_model.attention.Attention has no sp_group hook; sequence parallelism needs it"
+        )
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.sp_group = group
+            m.sp_layout = layout
+            n += 1
+    return n
