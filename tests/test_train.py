@@ -1,0 +1,263 @@
+"""Training under DeepSpeed: ZeRO stages, 1 vs 2 ranks, exact resume (kill, preemption, other world size),
+NaN policy, export round trip, W&B offline records.
+
+Every run is a fresh process (python for 1 rank, torchrun for 2) with the in-memory loader of
+test_train_support. The reference run (ZeRO-0, 1 rank, micro 2 x accum 2 = global batch 4, 12 steps) is
+made once per module and the other runs are compared with it step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_support import REPO, read_metrics, run_training, summary_of, write_config
+
+BASE = ["train.micro_batch=2", "train.grad_accum=2", "train.max_steps=12", "train.val_every=6"]
+TOL = 2e-5  # fp32: ranks / stages / resume agree to about 1e-6 here
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in read_metrics(run_dir).items() if "loss" in r}
+
+
+def assert_same_curve(a: dict[int, float], b: dict[int, float], steps=None, tol=TOL) -> None:
+    steps = sorted(a) if steps is None else steps
+    for s in steps:
+        assert abs(a[s] - b[s]) <= tol * max(1.0, abs(a[s])), f"step {s}: {a[s]} vs {b[s]}"
+
+
+@pytest.fixture(scope="module")
+def cfg_path(tmp_path_factory) -> Path:
+    return write_config(tmp_path_factory.mktemp("cfg"))
+
+
+@pytest.fixture(scope="module")
+def reference(cfg_path, tmp_path_factory) -> tuple[Path, dict]:
+    runs = tmp_path_factory.mktemp("ref")
+    proc = run_training(cfg_path, [*BASE, f"runs_dir={runs}"])
+    return runs / "t", summary_of(proc)
+
+
+@pytest.fixture(scope="module")
+def two_rank(cfg_path, tmp_path_factory) -> tuple[Path, dict]:
+    """2 ranks, ZeRO-2, micro 2 x accum 1: the same global batch as the reference; all 12 steps."""
+    runs = tmp_path_factory.mktemp("two")
+    over = [*BASE, "train.grad_accum=1", "train.zero_stage=2", "train.checkpoint.keep_last=3"]
+    proc = run_training(cfg_path, [*over, f"runs_dir={runs}"], nproc=2)
+    return runs / "t", summary_of(proc)
+
+
+def test_reference_run_learns_and_checkpoints(reference):
+    run_dir, summary = reference
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 0.3, curve  # the synthetic sequences are easy: the loss must fall
+    assert summary["steps"] == 12 and summary["tokens"] == 12 * 4 * 32
+    assert summary["val_loss"] is not None and summary["val_loss"] < curve[1]
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["global_step12", "global_step8"]  # keep_last: 2
+    assert (run_dir / "checkpoints" / "latest").read_text() == "global_step12"
+    meta = json.loads((run_dir / "checkpoints" / "global_step12" / "COMPLETE").read_text())
+    assert meta["step"] == 12 and meta["world_size"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_reference(stage, cfg_path, reference, tmp_path):
+    run_training(cfg_path, [*BASE, f"train.zero_stage={stage}", f"runs_dir={tmp_path}"])
+    got = losses(tmp_path / "t")
+    assert got[12] < got[1] - 0.3
+    assert_same_curve(losses(reference[0]), got)
+
+
+@pytest.mark.distributed
+def test_two_ranks_match_one_rank(reference, two_rank):
+    got = losses(two_rank[0])
+    assert sorted(got) == list(range(1, 13))
+    assert_same_curve(losses(reference[0]), got)
+    meta = json.loads((two_rank[0] / "checkpoints" / "global_step8" / "COMPLETE").read_text())
+    assert meta["world_size"] == 2
+    assert two_rank[1]["val_loss"] == pytest.approx(reference[1]["val_loss"], rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_resume_two_ranks_on_one_rank(cfg_path, reference, two_rank, tmp_path):
+    """A ZeRO-2 checkpoint of 2 ranks, resumed on 1 rank (universal checkpoint), continues the curve."""
+    src = two_rank[0]
+    run_dir = tmp_path / "t"
+    run_dir.mkdir()
+    shutil.copytree(src / "checkpoints" / "global_step8", run_dir / "checkpoints" / "global_step8")
+    shutil.copy(src / "metrics.jsonl", run_dir / "metrics.jsonl")
+    # The copied `latest` is absent: resume: auto must still find the newest complete checkpoint.
+    proc = run_training(cfg_path, [*BASE, "train.zero_stage=2", f"runs_dir={tmp_path}"])
+    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    assert_same_curve(losses(reference[0]), losses(run_dir), steps=[9, 10, 11, 12])
+    assert summary_of(proc)["tokens"] == 12 * 4 * 32
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    f = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        if f.is_file() and any(json.loads(x).get("step", 0) >= step for x in f.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _popen(cfg_path: Path, overrides: list[str], env: dict[str, str]) -> subprocess.Popen:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+    full_env.pop("PYTEST_CURRENT_TEST", None)
+    script = str(Path(__file__).with_name("test_train_support.py"))
+    return subprocess.Popen(
+        [sys.executable, script, str(cfg_path), *overrides],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_same_curve(cfg_path, reference, tmp_path):
+    over = [*BASE, "train.checkpoint.every=3", f"runs_dir={tmp_path}"]
+    proc = _popen(cfg_path, over, {"FPA_TEST_LOADER_DELAY": "0.15"})
+    try:
+        _wait_for_step(tmp_path / "t", 7, proc)
+    finally:
+        proc.kill()  # SIGKILL: no handler runs, no checkpoint is written on the way out
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "t" / "checkpoints" / "latest").read_text() == "global_step6"
+    proc2 = run_training(cfg_path, over)
+    assert "at step 6" in proc2.stdout
+    assert_same_curve(losses(reference[0]), losses(tmp_path / "t"))
+    assert summary_of(proc2)["steps"] == 12
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, tmp_path):
+    from pipeline.logging import find_wandb_files, read_wandb_file
+
+    marker = tmp_path / "requeued.txt"
+    over = [*BASE, "train.checkpoint.every=100", "logging.wandb_mode=offline", f"runs_dir={tmp_path}"]
+    env = {
+        "FPA_TEST_LOADER_DELAY": "0.15",
+        "SLURM_JOB_ID": "4242",
+        "FPA_REQUEUE_CMD": f"echo {{job_id}} >> {marker}",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+    }
+    proc = _popen(cfg_path, over, env)
+    _wait_for_step(tmp_path / "t", 3, proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert marker.read_text().split() == ["4242"]
+    latest = (tmp_path / "t" / "checkpoints" / "latest").read_text()
+    stopped_at = int(latest.removeprefix("global_step"))
+    assert 3 <= stopped_at < 12
+    first_id = json.loads((tmp_path / "t" / "checkpoints" / latest / "COMPLETE").read_text())["wandb_run_id"]
+    assert first_id
+
+    proc2 = run_training(cfg_path, over)
+    assert summary_of(proc2)["wandb_run_id"] == first_id  # the same W&B run continues
+    assert_same_curve(losses(reference[0]), losses(tmp_path / "t"))
+
+    files = find_wandb_files(tmp_path / "t", first_id)
+    assert len(files) == 2
+    logged = {}
+    for f in files:
+        rec = read_wandb_file(f)
+        assert rec["run_id"] == first_id
+        for row in rec["history"]:
+            if "train/loss" in row:
+                logged[row["_step"]] = row
+    assert sorted(logged) == [2, 4, 6, 8, 10, 12]
+    ref = losses(reference[0])
+    # log_every=2: each logged loss is the mean over its window of 2 steps (windows restart on resume).
+    assert stopped_at < 10
+    for s in (2, 12):
+        assert logged[s]["train/loss"] == pytest.approx((ref[s - 1] + ref[s]) / 2, rel=1e-4)
+    assert logged[12]["train/tokens"] == 12 * 4 * 32
+    cfg_logged = read_wandb_file(files[0])["config"]
+    assert cfg_logged["model"]["d_model"] == 32 and "git_sha" in cfg_logged
+
+
+@pytest.mark.slow
+def test_nan_skip_leaves_weights_untouched(cfg_path, tmp_path):
+    """A non-finite loss at step index 3 -> that step is skipped: weights equal those after 3 steps."""
+    over = ["train.micro_batch=2", "train.grad_accum=2", "train.zero_stage=1", "train.warmup_steps=100"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_training(cfg_path, [*over, "train.max_steps=3", f"runs_dir={a}"])
+    proc = run_training(
+        cfg_path, [*over, "train.max_steps=4", f"runs_dir={b}"], env={"FPA_TEST_NAN_STEP": "3"}
+    )
+    assert summary_of(proc)["skipped_steps"] == 1
+    assert "non-finite loss, step skipped" in proc.stdout
+    recs = read_metrics(b / "t")
+    assert recs[3].get("skipped") is True and "loss" in recs[2]
+
+    def weights(run: Path, step: int) -> dict:
+        f = run / "t" / "checkpoints" / f"global_step{step}" / "mp_rank_00_model_states.pt"
+        return torch.load(f, map_location="cpu", weights_only=False)["module"]
+
+    wa, wb = weights(a, 3), weights(b, 4)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_nan_stop_policy_fails_with_a_clear_error(cfg_path, tmp_path):
+    proc = run_training(
+        cfg_path,
+        ["train.max_steps=4", "train.nan_policy=stop", f"runs_dir={tmp_path}"],
+        env={"FPA_TEST_NAN_STEP": "2"},
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "non-finite loss at step 2 (train.nan_policy=stop)" in proc.stderr
+
+
+def test_export_round_trip_matches_checkpoint_logits(reference, tmp_path):
+    from fpa_model.model import GPT
+    from pipeline.config import from_yaml_text
+    from pipeline.export import export, load_exported
+
+    ckpt = reference[0] / "checkpoints" / "global_step12"
+    state = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    cfg = from_yaml_text(state["config_yaml"])
+    out = export(cfg, ckpt, tmp_path / "export")
+    assert (out / "model.safetensors").is_file() and (out / "config.yaml").is_file()
+    exported = load_exported(out)
+    direct = GPT(cfg.model)
+    direct.load_state_dict(state["module"])
+    idx = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(idx), direct.eval()(idx))
+    assert exported.lm_head.weight.data_ptr() == exported.embed.weight.data_ptr()  # still tied
+
+
+@pytest.mark.distributed
+def test_export_consolidates_zero2_two_rank_checkpoint(reference, two_rank, tmp_path):
+    """ZeRO-2 shards of 2 ranks -> one fp32 model equal to the 1-rank run's weights at the same step."""
+    from pipeline.config import load_config
+    from pipeline.export import export, load_exported
+
+    cfg = load_config([])
+    m2 = load_exported(export(cfg, two_rank[0] / "checkpoints" / "global_step8", tmp_path / "e2"))
+    m1 = load_exported(export(cfg, reference[0] / "checkpoints" / "global_step8", tmp_path / "e1"))
+    for (k, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=k)
