@@ -184,20 +184,19 @@ class SplitWriter:
         return self.shards
 
     def _write_shard(self, rows: np.ndarray) -> None:
-        from webdataset import TarWriter
-
         i = len(self.shards)
         rel = f"{self.split}/{self.split}-{i:05d}.tar"
         path = self.root / rel
         members = 0
-        with open(path, "wb") as f, TarWriter(f, encoder=False, mtime=0, user="fpa", group="fpa") as w:
+        # Plain tarfile writes the same USTAR layout as webdataset's TarWriter(mtime=0) without importing
+        # webdataset, which imports torch (seconds) in a step that needs neither.
+        with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
             for m in range(0, len(rows), self.per_member):
-                w.write(
-                    {
-                        "__key__": f"{self.split}-{i:05d}-{members:06d}",
-                        "npy": _npy_bytes(rows[m : m + self.per_member]),
-                    }
-                )
+                payload = _npy_bytes(rows[m : m + self.per_member])
+                info = tarfile.TarInfo(f"{self.split}-{i:05d}-{members:06d}.npy")
+                info.size, info.mtime, info.mode = len(payload), 0, 0o444
+                info.uname = info.gname = "fpa"
+                tar.addfile(info, io.BytesIO(payload))
                 members += 1
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         self.shards.append(

@@ -18,10 +18,46 @@ from data_prep.prepare import data_is_current, prepare_data
 from data_prep.shards import SplitWriter, pick_dtype, read_shard
 from data_prep.tokenizer import load_tokenizer
 
-WORDS = (
-    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-    "upsilon phi chi psi omega the of and to in is it that was for on are with as"
-).split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+    "phi",
+    "chi",
+    "psi",
+    "omega",
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+]
 
 
 def write_corpus(path: Path, n_docs: int = 120, seed: int = 0, empty: bool = False) -> Path:
@@ -34,14 +70,14 @@ def write_corpus(path: Path, n_docs: int = 120, seed: int = 0, empty: bool = Fal
 
 
 def small_cfg(corpus: Path, **kw) -> DataConfig:
-    base = dict(
-        train=SourceConfig(type="jsonl", paths=[str(corpus)]),
-        val_fraction=0.1,
-        tokenizer=TokenizerConfig(vocab_size=300),
-        seq_len=16,
-        sequences_per_member=4,
-        sequences_per_shard=16,
-    )
+    base = {
+        "train": SourceConfig(type="jsonl", paths=[str(corpus)]),
+        "val_fraction": 0.1,
+        "tokenizer": TokenizerConfig(vocab_size=300),
+        "seq_len": 16,
+        "sequences_per_member": 4,
+        "sequences_per_shard": 16,
+    }
     base.update(kw)
     return DataConfig(**base)
 
@@ -162,7 +198,9 @@ def test_existing_tokenizer_is_copied_verbatim(tmp_path: Path, prepared) -> None
 
 def test_dtype_choice_and_uint32_round_trip(tmp_path: Path) -> None:
     assert pick_dtype(65536) == "uint16" and pick_dtype(65537) == "uint32"
-    w = SplitWriter(tmp_path, "train", seq_len=3, dtype="uint32", sequences_per_member=2, sequences_per_shard=4)
+    w = SplitWriter(
+        tmp_path, "train", seq_len=3, dtype="uint32", sequences_per_member=2, sequences_per_shard=4
+    )
     tokens = np.arange(100_000, 100_000 + 4 * 5 + 2, dtype=np.uint32)
     w.add_tokens(tokens[:7], 1)
     w.add_tokens(tokens[7:], 1)
@@ -217,12 +255,16 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
 def test_bad_tokenizer_path_and_missing_eod(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c.jsonl", 20)
     with pytest.raises(DataError, match=r"tokenizer file not found: .*nope\.json"):
-        prepare_data(small_cfg(corpus, tokenizer=TokenizerConfig(path=str(tmp_path / "nope.json"))), tmp_path / "d")
+        prepare_data(
+            small_cfg(corpus, tokenizer=TokenizerConfig(path=str(tmp_path / "nope.json"))), tmp_path / "d"
+        )
     junk = tmp_path / "junk.json"
     junk.write_text("{}")
     with pytest.raises(DataError, match=r"junk\.json: not a tokenizers JSON file"):
         prepare_data(small_cfg(corpus, tokenizer=TokenizerConfig(path=str(junk))), tmp_path / "d")
-    cfg = small_cfg(corpus, tokenizer=TokenizerConfig(vocab_size=300, eod_token="<|eot|>", special_tokens=["<|eot|>"]))
+    cfg = small_cfg(
+        corpus, tokenizer=TokenizerConfig(vocab_size=300, eod_token="<|eot|>", special_tokens=["<|eot|>"])
+    )
     prepare_data(cfg, tmp_path / "d", progress=False)
     other = small_cfg(corpus, tokenizer=TokenizerConfig(path=str(tmp_path / "d" / "tokenizer.json")))
     with pytest.raises(DataError, match=r"tokenizer\.json has no end-of-document token '<\|endoftext\|>'"):
@@ -250,7 +292,7 @@ def test_missing_truncated_and_altered_shards(tmp_path: Path, prepared) -> None:
     shutil.copytree(data_dir, copy)
     index = load_index(copy)
     s0, s1, s2 = index.shards("train")[:3]
-    kw = dict(seq_len=index.seq_len, dtype=index.dtype)
+    kw = {"seq_len": index.seq_len, "dtype": index.dtype}
 
     (copy / s0.file).unlink()
     with pytest.raises(DataError, match=r"missing shard .*train-00000\.tar"):
