@@ -37,6 +37,8 @@ from torch import Tensor
 
 from fpa_model.ops.fpa.naive import fpa_bias_naive
 
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
+
 
 @dataclass
 class EvictionPolicy:
@@ -157,11 +159,16 @@ class LayerCache:
         else:
             logits, values = logits_new, vf
         out = torch.softmax(logits, dim=-1) @ values
+        self.append(q, k, v, phi_f)
+        return out
 
-        self._append(q, k, v, phi_f)
+    @torch.no_grad()
+    def append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
+        """Add new tokens whose attention output was computed elsewhere (the model's own op, for a first
+        chunk), then apply the eviction policy."""
+        self._append(q, k, v, None if phi is None else phi.float())
         if self.policy.enabled and self.kind != "softmax":
             self._evict()
-        return out
 
     def _append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
         b, h, t, _ = k.shape
@@ -277,7 +284,12 @@ def _forward_chunk(model: torch.nn.Module, cache: KVCache, idx: Tensor) -> Tenso
         h = block.norm1(x)
         q, k, v, u = attn.project(h, pos_offset=cache.seen)
         phi = attn.field_from_increments(u, lc.phi_last)
-        o = lc.attend(q, k, v, phi)
+        if lc.seen == 0:
+            # Nothing cached yet: the model's own op (chunked / Triton, O(T) memory) gives the exact output.
+            o = attn.attend(q, k, v, phi)
+            lc.append(q, k, v, phi)
+        else:
+            o = lc.attend(q, k, v, phi)
         x = x + attn.output(o.to(h.dtype), h)
         x = x + block.mlp(block.norm2(x))
     cache.seen += idx.shape[1]
@@ -291,19 +303,24 @@ def prefill(
     cache: KVCache | None = None,
     *,
     policy: EvictionPolicy | None = None,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     all_logits: bool = False,
 ) -> tuple[Tensor, KVCache]:
     """Feed a prompt idx (B,T) in chunks of chunk_size; evictions happen between chunks, so later chunks
     (and the first generated token) already see the compressed cache.
 
-    Returns (logits, cache): logits (B,T,V) if all_logits else those of the last position (B,V).
+    chunk_size None: the whole prompt at once when nothing is evicted (one pass of the model's op), else
+    DEFAULT_PREFILL_CHUNK. Returns (logits, cache): logits (B,T,V) if all_logits else the last position's
+    (B,V).
     """
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError(f"prefill needs token ids of shape (B, T>0); got {tuple(idx.shape)}")
+    cache = cache if cache is not None else KVCache.for_model(model, policy)
+    if chunk_size is None:
+        evicting = any(lc.policy.enabled and lc.kind != "softmax" for lc in cache.layers)
+        chunk_size = DEFAULT_PREFILL_CHUNK if evicting else idx.shape[1]
     if chunk_size < 1:
         raise ValueError(f"prefill chunk_size must be >= 1; got {chunk_size}")
-    cache = cache if cache is not None else KVCache.for_model(model, policy)
     outs = []
     for start in range(0, idx.shape[1], chunk_size):
         logits = _forward_chunk(model, cache, idx[:, start : start + chunk_size])
@@ -326,7 +343,7 @@ def generate(
     max_new_tokens: int,
     *,
     policy: EvictionPolicy | None = None,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     eos_id: int | None = None,
 ) -> tuple[Tensor, KVCache]:
     """Greedy decoding: prompt idx (B,T) -> (new tokens (B, <= max_new_tokens), cache).

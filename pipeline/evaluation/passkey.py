@@ -51,7 +51,7 @@ def run_cell(
     keys: list[int],
     digits: int,
     policy: EvictionPolicy,
-    chunk_size: int,
+    chunk_size: int | None,
     prefix_ids: list[int],
     device: torch.device,
 ) -> dict[str, Any]:
@@ -164,7 +164,9 @@ def run_passkey(
                     keys=keys,
                     digits=pk.digits,
                     policy=policy,
-                    chunk_size=cache_cfg.prefill_chunk,
+                    # Full cache: the whole prompt in one pass of the model's op; compressed: chunks,
+                    # evicting between them.
+                    chunk_size=cache_cfg.prefill_chunk if mode == "compressed" else None,
                     prefix_ids=list(prefix_ids or []),
                     device=device,
                 )
