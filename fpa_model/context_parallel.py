@@ -235,10 +235,11 @@ class _Ring:
 
     def start(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Any]]:
         """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
-        recv = [torch.empty_like(t) for t in tensors]
+        tensors = [t.contiguous() for t in tensors]  # p2p needs dense buffers (q/k/v are permuted views)
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for t, r in zip(tensors, recv):
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
         return recv, dist.batch_isend_irecv(ops)
 
