@@ -168,11 +168,14 @@ def _lowest_argmin_bias(phi: torch.Tensor) -> torch.Tensor:
 def test_tie_rule_routes_to_lowest_index():
     """A field with many equal values (also across block boundaries): the field gradient goes to the
     lowest index among equal minima: diagonal tile, prefix-min, suffix-min and the between-blocks M."""
-    b, h, t, d = 1, 2, 40, 16
+    b, h, t, d = 1, 2, 60, 16
     g = torch.Generator().manual_seed(5)
     q, k, v, do = (torch.randn(b, h, t, d, generator=g).to(DEVICE) for _ in range(4))
-    phi = torch.randint(0, 3, (b, h, t), generator=g).float().to(DEVICE)
-    phi[:, :, 16:32] = 1.0  # a flat middle block: M ties with S and P
+    # Values in {1, 2, 3}: blocks 1..3 (block 16) share the minimum 1, so M ties with P and the block
+    # minima tie with each other; block 0 stays >= 2 so M (not S) wins for it and its ties with P matter.
+    phi = torch.randint(1, 4, (b, h, t), generator=g).float()
+    phi[..., :16] = torch.randint(2, 4, (b, h, 16), generator=g).float()
+    phi = phi.to(DEVICE)
     got = run_with_grads(fpa_attention_triton, q, k, v, phi, do, "direct", kind="fpa", block_size=16)
 
     def ref_fn(q, k, v, phi):
