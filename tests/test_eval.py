@@ -217,11 +217,16 @@ def test_passkey_grid_scores_and_aggregates(
 
 def test_evaluate_writes_report_and_compares_runs(tmp_path: Path, data_dir: Path) -> None:
     from pipeline.evaluation import REPORT_KEYS, compare_reports, evaluate, load_report
+    from pipeline.rundir import Manifest, RunDir
 
     dirs = []
     for name, kind in (("fpa-run", "fpa"), ("softmax-run", "softmax")):
         cfg = _run_cfg(tmp_path, data_dir, name, kind)
         _export_random_model(cfg)
+        if kind == "fpa":  # a finished training stage: its last validation loss is the report's
+            RunDir(cfg).write_manifest(
+                Manifest(stage="train", status="done", fingerprint="x", result={"val_loss": 3.21})
+            )
         headline = evaluate(cfg)
         assert headline["kind"] == kind
         ev = cfg.run_dir / "eval"
@@ -237,9 +242,12 @@ def test_evaluate_writes_report_and_compares_runs(tmp_path: Path, data_dir: Path
         rep = load_report(cfg.run_dir)
         assert tuple(rep) == REPORT_KEYS
         assert rep["run"] == name and rep["seq_len"] == SEQ_LEN
-        assert rep["final_val_loss_source"] == "eval"  # no training manifest: the eval loss at 1x
         ppl = json.loads((ev / "perplexity.json").read_text())
-        assert rep["final_val_loss"] == pytest.approx(ppl["lengths"][str(SEQ_LEN)]["loss"])
+        if kind == "fpa":
+            assert (rep["final_val_loss"], rep["final_val_loss_source"]) == (3.21, "train")
+        else:  # no training manifest: the eval loss at 1x
+            assert rep["final_val_loss_source"] == "eval"
+            assert rep["final_val_loss"] == pytest.approx(ppl["lengths"][str(SEQ_LEN)]["loss"])
         assert set(rep["passkey_accuracy_per_length"]) == {str(SEQ_LEN), str(2 * SEQ_LEN)}
         assert set(rep["ppl_by_position"]) == {str(SEQ_LEN), str(2 * SEQ_LEN)}
         assert 0.0 <= rep["passkey_accuracy"] <= 1.0

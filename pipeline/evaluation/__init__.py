@@ -54,24 +54,43 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def _train_val_loss(cfg: RunConfig) -> float | None:
+def _train_result(cfg: RunConfig) -> dict[str, Any]:
+    """The training stage's result from its manifest ({} when there is none or it is unreadable)."""
     from pipeline.rundir import RunDir
 
-    try:
-        manifest = RunDir(cfg).read_manifest("train")
-    except Exception:  # no run dir or an unreadable manifest: fall back to the eval loss
-        return None
-    result = getattr(manifest, "result", None) or {}
-    v = result.get("val_loss")
-    return float(v) if isinstance(v, int | float) else None
+    manifest = RunDir(cfg).read_manifest("train")  # warns and returns None on an unreadable manifest
+    result = getattr(manifest, "result", None)
+    return result if isinstance(result, dict) else {}
+
+
+def _float_or_none(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, logger: Any = None) -> dict[str, Any]:
     """Run the passkey grid and the perplexity sweep on the exported weights, write the report.
 
     logger: a pipeline.logging.RunLogger; the passkey grid goes to it as a table (W&B) and the headline
-    figures as a summary. Returns the headline figures (the report minus the grids and curves).
+    figures as a summary. None: a rank-0 logger per cfg.logging that continues the training's W&B run
+    (its id is in the training manifest), closed at the end. Returns the headline figures (the report
+    minus the grids and curves).
     """
+    train_result = _train_result(cfg)
+    own_logger = logger is None
+    if own_logger:
+        from pipeline.logging import make_logger
+
+        logger = make_logger(cfg, 0, train_result.get("wandb_run_id"))
+    try:
+        return _evaluate(cfg, checkpoint, logger, train_result)
+    finally:
+        if own_logger:
+            logger.finish()
+
+
+def _evaluate(
+    cfg: RunConfig, checkpoint: Path | None, logger: Any, train_result: dict[str, Any]
+) -> dict[str, Any]:
     from data_prep.index import load_index
     from data_prep.tokenizer import load_tokenizer
     from pipeline.export import load_exported
@@ -123,7 +142,7 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, logger: Any = No
         seq_len=seq_len,
         n_params=model.num_parameters(),
         checkpoint=str(weights),
-        train_val_loss=_train_val_loss(cfg),
+        train_val_loss=_float_or_none(train_result.get("val_loss")),
         passkey=passkey,
         ppl=ppl,
     )
