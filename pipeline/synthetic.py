@@ -73,6 +73,9 @@ class Task:
     def vocab_size(self, n_values: int) -> int:
         return 1 + n_values + len(self.markers)
 
+    def token_names(self, n_values: int) -> list[str]:
+        return ["BOS", *(f"v{i}" for i in range(n_values)), *self.markers]
+
 
 def _gen_stack(
     rng: np.random.Generator, batch: int, seq_len: int, n_values: int, max_depth: int = 4
@@ -330,7 +333,24 @@ def train_one(task: Task, kind: str, seed: int, cfg: SynthConfig) -> dict:
         "diverged": diverged,
         "seconds": time.perf_counter() - t0,
         "curve": curve,
+        "token_increments": token_increments(model, task, cfg.n_values),
     }
+
+
+@torch.no_grad()
+def token_increments(model: OneLayer, task: Task, n_values: int) -> dict[str, list[float]] | None:
+    """The learned field increment u per token type and head (what the field does at each token), or
+    None for softmax. For FPA on the set tasks the construction predicts +A at pushes / BEGIN, -A at
+    POP / ROLLBACK and about 0 elsewhere; for FoX, log forget gates."""
+    attn = model.attn
+    if attn.field_proj is None:
+        return None
+    _, _, _, u = attn.project(model.embed.weight[None])  # (1, H, vocab): every token type once
+    assert u is not None
+    if attn.field_mode == "direct":
+        return None
+    names = task.token_names(n_values)
+    return {name: [round(float(x), 4) for x in u[0, :, i]] for i, name in enumerate(names)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -545,6 +565,16 @@ def format_markdown(records: list[dict], cfg: SynthConfig, constructed: dict, ch
             cells.append(f"{conv}/{len(rs)}, {np.mean(accs):.3f} [{min(accs):.3f}]")
         built = f"{constructed[t]:.3f}" if t in constructed else "-"
         lines.append(f"| {t} | " + " | ".join(cells) + f" | {chance.get(t, float('nan')):.3f} | {built} |")
+    learned = [r for r in records if r["kind"] == "fpa" and r.get("token_increments")]
+    if learned:
+        lines += ["", "## Learned FPA field steps u per token (first seed of each task, per head)", ""]
+        for t in tasks:
+            r = next((r for r in learned if r["task"] == t), None)
+            if r is not None:
+                steps = ", ".join(
+                    f"{k} {'/'.join(f'{x:+.2f}' for x in v)}" for k, v in r["token_increments"].items()
+                )
+                lines.append(f"- {t} (seed {r['seed']}): {steps}")
     lines += [
         "",
         "## Runs",

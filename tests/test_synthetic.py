@@ -109,11 +109,17 @@ def test_construct_rejects_other_tasks() -> None:
         construct_fpa("recency", V, 32)
 
 
+@pytest.mark.slow
 def test_fpa_learns_stack_fox_does_not() -> None:
     """The paper's claim on one seed: a one-layer FPA head hits the target set, FoX on the same budget not."""
     cfg = SynthConfig(steps=200, lr=3e-2, eval_every=50, eval_sequences=128)
     fpa = train_one(TASKS["stack"], "fpa", 0, cfg)
     assert fpa["converged"], fpa["curve"]
+    # It learned the construction: pushes raise the field, POP lowers it by about as much.
+    inc = fpa["token_increments"]
+    push = np.mean([inc[f"v{i}"][0] for i in range(V)])
+    assert push > 1.0 and inc["POP"][0] < -1.0, inc
+    assert abs(inc["POP"][0] + push) < 0.25 * push, inc
     # FoX plateaus near 0.43 whatever the lr or budget (measured up to 1500 steps); 100 steps show it.
     fox = train_one(TASKS["stack"], "fox", 0, SynthConfig(steps=100, lr=3e-2, eval_sequences=128))
     assert fox["final_acc"] < 0.8, fox["curve"]
