@@ -55,9 +55,9 @@ def _job_name(cfg: RunConfig, stage: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"fpa-{stage}-{cfg.name}")[:120]
 
 
-def _log_pattern(path: Path) -> str:
-    # sbatch expands %j etc. in --output/--error; a literal % in a user path must be doubled.
-    return str(path).replace("%", "%%")
+def _log_pattern(log_dir: Path, stem: str) -> str:
+    # sbatch expands %j etc. in --output/--error; a literal % in the user's path must be doubled.
+    return str(log_dir).replace("%", "%%") + "/" + stem
 
 
 def template(name: str) -> str:
@@ -118,8 +118,8 @@ def sbatch_lines(
     if array:
         opts.append(("array", array))
     opts += [
-        ("output", _log_pattern(log_dir / f"{stem}.out")),
-        ("error", _log_pattern(log_dir / f"{stem}.err")),
+        ("output", _log_pattern(log_dir, f"{stem}.out")),
+        ("error", _log_pattern(log_dir, f"{stem}.err")),
         ("open-mode", "append"),  # a requeued job adds to its log instead of truncating it
         ("chdir", workdir or Path.cwd()),
     ]

@@ -333,7 +333,15 @@ def _run_local(sweep: Sweep, *, dry_run: bool, runner: Runner) -> list[str]:
 
 # -- collecting --------------------------------------------------------------------------------------
 
-METRICS = ("final_val_loss", "passkey_accuracy", "cache_fraction", "ppl_last")
+# Columns of the comparison, read from report.json (pipeline/evaluation/report.py documents the schema).
+METRICS = (
+    "final_val_loss",
+    "ppl_train_len",  # validation perplexity at the training length
+    "ppl_longest",  # ... at the longest length evaluated
+    "passkey_accuracy",  # full KV cache
+    "passkey_accuracy_compressed",  # with FPA/FoX eviction
+    "cache_fraction",  # kept keys / tokens seen with eviction
+)
 
 
 def _number(x: Any) -> float | None:
@@ -342,75 +350,64 @@ def _number(x: Any) -> float | None:
     return float(x)
 
 
-def _first_number(d: dict[str, Any], keys: Sequence[str]) -> float | None:
-    for key in keys:
-        if key in d and _number(d[key]) is not None:
-            return _number(d[key])
-    return None
-
-
-def _passkey_accuracy(x: Any) -> float | None:
-    if _number(x) is not None:
-        return _number(x)
-    if not isinstance(x, dict):
-        return None
-    acc = _first_number(x, ("accuracy", "overall_accuracy", "mean_accuracy", "overall", "mean"))
-    if acc is not None:
-        return acc
-    for nested in ("overall", "summary"):
-        if isinstance(x.get(nested), dict):
-            return _passkey_accuracy(x[nested])
-    return None
-
-
-def _cache_fraction(x: Any) -> float | None:
-    if _number(x) is not None:
-        return _number(x)
+def _by_length(x: Any) -> dict[int, float]:
+    """{"<tokens>": value} -> {tokens: value}, skipping what is not a number."""
+    out: dict[int, float] = {}
     if isinstance(x, dict):
-        return _first_number(x, ("overall", "mean", "fraction"))
-    return None
+        for k, v in x.items():
+            if str(k).isdigit() and _number(v) is not None:
+                out[int(k)] = float(v)
+    return out
+
+
+def _passkey(x: Any) -> float | None:
+    # A number, or an older/other eval's {"accuracy": ...} mapping.
+    return _number(x) if not isinstance(x, dict) else _number(x.get("accuracy"))
 
 
 def ppl_curve(x: Any) -> tuple[list[float], list[float]] | None:
-    """(positions, ppl) from the report's ppl_by_position, in any of the shapes an eval may write:
-    {"positions": [...], "ppl": [...]}, {"<position>": ppl, ...}, or a mapping of such per length
-    (the longest is taken)."""
-    if not isinstance(x, dict) or not x:
-        return None
-    pos, ppl = x.get("positions", x.get("position")), x.get("ppl", x.get("perplexity"))
-    if isinstance(pos, list) and isinstance(ppl, list) and len(pos) == len(ppl) and pos:
-        pairs = [(_number(a), _number(b)) for a, b in zip(pos, ppl)]
-        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-        return ([a for a, _ in pairs], [b for _, b in pairs]) if pairs else None
-    try:
-        items = sorted((float(k), v) for k, v in x.items())
-    except (TypeError, ValueError):
-        return None
-    if all(_number(v) is not None for _, v in items):
-        return [k for k, _ in items], [float(v) for _, v in items]
-    curves = [c for _, v in items if (c := ppl_curve(v))]
-    return curves[-1] if curves else None
+    """(bucket start, perplexity) at the longest length in report["ppl_by_position"], which holds
+    {"<tokens>": {"bucket_start": [...], "loss": [...]}} with losses in nats."""
+    best: tuple[int, list[tuple[float, float]]] | None = None
+    for k, v in (x if isinstance(x, dict) else {}).items():
+        if not str(k).isdigit() or not isinstance(v, dict):
+            continue
+        starts, losses = v.get("bucket_start"), v.get("loss")
+        if not isinstance(starts, list) or not isinstance(losses, list):
+            continue
+        pairs = [
+            (float(a), math.exp(min(float(b), 50.0)))
+            for a, b in zip(starts, losses)
+            if _number(a) is not None and _number(b) is not None
+        ]
+        if pairs and (best is None or int(k) > best[0]):
+            best = (int(k), pairs)
+    return ([a for a, _ in best[1]], [b for _, b in best[1]]) if best else None
 
 
 def read_report(path: Path) -> tuple[str, dict[str, float | None], tuple[list[float], list[float]] | None]:
-    """(status, metrics, ppl curve) of one run's eval report; status is ok | missing | unreadable."""
+    """(status, metrics, ppl curve) of one run's eval report; status is ok | missing | unreadable.
+    Missing or malformed figures are None, never an error: a sweep with failed runs still collects."""
     empty: dict[str, float | None] = dict.fromkeys(METRICS)
     if not path.is_file():
         return "missing", empty, None
     try:
         report = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return "unreadable", empty, None
     if not isinstance(report, dict):
         return "unreadable", empty, None
-    curve = ppl_curve(report.get("ppl_by_position"))
+    ppl = _by_length(report.get("perplexity"))
+    seq_len = report.get("seq_len")
     metrics = {
-        "final_val_loss": _first_number(report, ("final_val_loss", "val_loss")),
-        "passkey_accuracy": _passkey_accuracy(report.get("passkey")),
-        "cache_fraction": _cache_fraction(report.get("cache_fraction")),
-        "ppl_last": curve[1][-1] if curve else None,
+        "final_val_loss": _number(report.get("final_val_loss")),
+        "ppl_train_len": ppl.get(seq_len) if isinstance(seq_len, int) else None,
+        "ppl_longest": ppl[max(ppl)] if ppl else None,
+        "passkey_accuracy": _passkey(report.get("passkey_accuracy", report.get("passkey"))),
+        "passkey_accuracy_compressed": _passkey(report.get("passkey_accuracy_compressed")),
+        "cache_fraction": _number(report.get("cache_fraction")),
     }
-    return "ok", metrics, curve
+    return "ok", metrics, ppl_curve(report.get("ppl_by_position"))
 
 
 def _fmt(x: float | None) -> str:
@@ -426,17 +423,25 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 def collect_sweep(path: str | Path) -> Path:
     """Gather every run's <run_dir>/eval/report.json into results.md, results.csv and results.png
     under <runs_dir>/sweeps/<name>/ (missing values show as "-"); return that folder."""
+    from pipeline.evaluation.report import compare_reports, load_report
+
     sweep = load_sweep(path)
-    short = _short_keys(list(sweep.grid))
     keys = list(sweep.grid)
+    short = _short_keys(keys)
     table: list[dict[str, Any]] = []
     curves: dict[str, tuple[list[float], list[float]]] = {}
+    complete: list[Path] = []  # runs whose report passes the strict schema check, for the detail tables
     for run in sweep.runs:
         status, metrics, curve = read_report(run.run_dir / "eval" / "report.json")
         grid_values = {short[k]: run.values[k] for k in keys}
         table.append({"run": run.name, **grid_values, **metrics, "status": status})
         if curve:
             curves[run.name] = curve
+        try:
+            load_report(run.run_dir)
+            complete.append(run.run_dir)
+        except ValueError:
+            pass
     out = sweep.out_dir
     out.mkdir(parents=True, exist_ok=True)
     columns = ["run", *(short[k] for k in keys), *METRICS, "status"]
@@ -448,17 +453,15 @@ def collect_sweep(path: str | Path) -> Path:
         writer.writerow(["" if row[c] is None else row[c] for c in columns])
     (out / "results.csv").write_text(buf.getvalue())
 
-    text = [
-        f"# Sweep {sweep.name}\n",
-        f"{len(table)} runs; reports found: "
-        f"{sum(r['status'] == 'ok' for r in table)}. Source: {sweep.path}\n",
-    ]
+    found = sum(r["status"] == "ok" for r in table)
+    text = [f"# Sweep {sweep.name}\n", f"{len(table)} runs, {found} with an eval report ({sweep.path}).\n"]
     cells = [[_fmt(r[c]) if c in METRICS else str(r[c]) for c in columns] for r in table]
     text.append(_markdown(columns, cells))
     summary = _group_summary(table, [short[k] for k in keys])
     if summary:
-        text.append("\n## Mean ± std over seeds\n")
-        text.append(summary)
+        text += ["## Mean ± std over seeds\n", summary]
+    if complete:
+        text += ["## Details (runs with a complete report)\n", compare_reports(complete)]
     (out / "results.md").write_text("\n".join(text))
     _plot(out / "results.png", sweep.name, table, curves)
     return out
@@ -502,9 +505,9 @@ def _plot(path: Path, title: str, table: list[dict[str, Any]], curves: dict[str,
     ax_loss.set_title(f"{title}: final validation loss (missing runs left empty)")
     for name, (pos, ppl) in curves.items():
         ax_ppl.plot(pos, ppl, marker="o", ms=3, label=name.split(".", 1)[-1])
-    ax_ppl.set_xlabel("position")
+    ax_ppl.set_xlabel("position (bucket start), longest evaluated length")
     ax_ppl.set_ylabel("perplexity")
-    ax_ppl.set_title("perplexity by position" if curves else "perplexity by position (no data)")
+    ax_ppl.set_title("perplexity by position" if curves else "perplexity by position (no reports)")
     if curves:
         ax_ppl.set_yscale("log")
         ax_ppl.legend(fontsize=7)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,7 @@ class SlurmConfig:
     nproc_per_node: int = 1  # workers per node when gpus_per_node == 0 (CPU runs)
     cpus_per_task: int = 2
     mem: str | None = None
-    time: str = "01:00:00"
+    time: str = "01:00:00"  # H:MM:SS or D-HH:MM:SS (YAML turns 12:00:00 into seconds; read back as such)
     signal_seconds: int = 120  # --signal=USR1@N: time to checkpoint before the limit
     extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH" options, as "--key=value"
     env_setup: str = ""  # shell lines run before training (module load, venv activate)
@@ -193,6 +194,8 @@ class SlurmConfig:
     )
 
     def __post_init__(self) -> None:
+        for key in ("time", "prepare_time", "eval_time"):
+            setattr(self, key, _slurm_time(f"slurm.{key}", getattr(self, key)))
         for key in ("nodes", "tasks_per_node", "nproc_per_node", "cpus_per_task"):
             if getattr(self, key) < 1:
                 raise ValueError(f"slurm.{key} must be >= 1; got {getattr(self, key)}")
@@ -211,6 +214,18 @@ class SlurmConfig:
         bad = [k for k in self.env if not (k.isascii() and k.replace("_", "a").isalnum()) or k[0].isdigit()]
         if bad:
             raise ValueError(f"slurm.env has a name that is not a shell variable name: {bad[0]!r}")
+
+
+def _slurm_time(key: str, value: str) -> str:
+    """A Slurm time limit. YAML 1.1 reads 12:00:00 as the number 43200 (seconds), so a bare number is
+    taken as seconds and written back as H:MM:SS; strings keep the forms sbatch accepts."""
+    value = str(value).strip()
+    if value.isdigit():
+        h, rest = divmod(int(value), 3600)
+        return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+    if value.upper() in ("UNLIMITED", "INFINITE") or re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", value):
+        return value
+    raise ValueError(f"{key} must be H:MM:SS, D-HH:MM:SS or UNLIMITED; got {value!r}")
 
 
 @dataclass
