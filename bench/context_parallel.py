@@ -1,0 +1,170 @@
+"""Sequence-parallel FPA on CPU: per-rank time and memory of a 2-rank ring vs one process, growing T.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/context_parallel.py            # T = 1024 .. 8192
+    OMP_NUM_THREADS=1 .venv/bin/python bench/context_parallel.py --quick    # T = 512, 1024: a smoke run
+
+Every measurement runs in fresh processes (gloo, one thread each): the single-process baseline is the
+chunked path (fpa_model.ops.fpa.chunked_fpa_attention) on the whole sequence, the ring is
+context_parallel_attention over 2 ranks, in the zigzag and the contiguous layout. Time: forward +
+backward, median over repeats of the slowest rank (a step waits for it). Memory: peak RSS
+(VmHWM, reset through /proc/self/clear_refs after a warm-up step and malloc_trim) minus the RSS at that
+point, i.e. the extra memory a forward + backward needs on top of its inputs, per process. With 2 ranks
+on a 2-core machine the ideal time ratio is 0.5 and the ideal memory ratio about 0.5 (each rank holds
+half of the sequence and of the workspace). Timings are only meaningful on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import gc
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fpa_model.context_parallel import context_parallel_attention, shard_sequence  # noqa: E402
+from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    """Release freed heap to the OS and reset the peak RSS (Linux clear_refs 5); False if not possible."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _inputs(args: argparse.Namespace, seq: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (args.batch, args.heads, seq, args.dim)
+    t = {n: torch.randn(shape, generator=g) for n in ("q", "k", "v", "dout")}
+    t["u"] = torch.randn(args.batch, args.heads, seq, generator=g) * 0.3 - 0.05  # walk increments
+    return t
+
+
+def _worker(
+    rank: int, world: int, layout: str, seq: int, args: argparse.Namespace, rdzv: str, out: str
+) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=600),
+        )  # fmt: skip
+    t = _inputs(args, seq)
+    if world > 1:
+        t = {n: shard_sequence(x, rank, world, dim=2, layout=layout) for n, x in t.items()}
+    leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "u")}
+
+    def step() -> None:
+        for x in leaves.values():
+            x.grad = None
+        if world > 1:
+            o = context_parallel_attention(
+                leaves["q"], leaves["k"], leaves["v"], leaves["u"], kind=args.kind, field="walk",
+                block_size=args.block, layout=layout,
+            )  # fmt: skip
+        else:
+            phi = leaves["u"].cumsum(-1)
+            o = chunked_fpa_attention(
+                leaves["q"], leaves["k"], leaves["v"], phi, kind=args.kind, block_size=args.block
+            )
+        o.backward(t["dout"])
+
+    times = []
+    for i in range(args.repeats + 1):  # the first is a warm-up (library workspaces, lazy inits)
+        if i == 1:
+            exact = _reset_peak()
+            base = _status_mb("VmRSS")
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        times.append(float(dt))
+    # Peak since the reset (VmHWM); without clear_refs the lifetime peak, which includes the warm-up.
+    peak = (
+        _status_mb("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    ) - base
+    Path(out, f"rank{rank}.txt").write_text(f"{statistics.median(times[1:])} {peak}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def measure(world: int, layout: str, seq: int, args: argparse.Namespace) -> tuple[float, list[float]]:
+    """(median step seconds, per-rank extra peak MB) from fresh processes."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, layout, seq, args, str(Path(d, "rdzv")), d), nprocs=world, join=True)
+        rows = [Path(d, f"rank{r}.txt").read_text().split() for r in range(world)]
+    return float(rows[0][0]), [float(r[1]) for r in rows]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--kind", default="fpa", choices=["fpa", "fox", "softmax"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous"])
+    p.add_argument("--quick", action="store_true", help="T = 512, 1024 with 2 repeats")
+    args = p.parse_args()
+    if args.quick:
+        args.seqs, args.repeats = [512, 1024], 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    print(
+        f"kind={args.kind} B={args.batch} H={args.heads} D={args.dim} block={args.block} "
+        f"repeats={args.repeats} threads/process=1, fwd+bwd; memory = peak RSS - RSS before the step; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    head = (
+        f"{'T':>6} {'layout':>10} {'1-proc s':>9} {'2-rank s':>9} {'t ratio':>8} {'1-proc MB':>10} "
+        f"{'rank MB':>15} {'m ratio':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for seq in args.seqs:
+        t1, (m1,) = measure(1, "contiguous", seq, args)
+        for layout in args.layouts:
+            t2, m2 = measure(2, layout, seq, args)
+            ranks = "/".join(f"{m:.0f}" for m in m2)
+            print(
+                f"{seq:>6} {layout:>10} {t1:>9.3f} {t2:>9.3f} {t2 / t1:>8.2f} {m1:>10.0f} {ranks:>15} "
+                f"{max(m2) / max(m1, 1e-9):>8.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
