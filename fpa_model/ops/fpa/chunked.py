@@ -63,9 +63,9 @@ from torch.autograd.function import once_differentiable
 
 from fpa_model.ops.fpa.naive import KINDS
 
-# Upper bound on query rows handled in one batched tile step: keeps the workspace (B*H*rows*block
-# floats per temporary) in cache and independent of T.
-_TILE_ROWS = 256
+# Upper bound on score elements (B*H x tiles x block x block) per batched tile step: keeps each
+# temporary in cache and the workspace independent of T.
+_TILE_ELEMS = 1 << 19
 
 _INF = float("inf")
 
@@ -119,135 +119,161 @@ def block_min(phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vals[..., 0], arg[..., 0]
 
 
+_CUMMIN_KEEPS_LAST: dict[str, bool] = {}
+
+
+def _cummin_keeps_last(device: torch.device) -> bool:
+    """Whether torch.cummin reports the LAST index among equal values on this device type (CPU does).
+    Checked once per device type: the fast diagonal argmin relies on it, else a slower exact path runs."""
+    key = device.type
+    if key not in _CUMMIN_KEEPS_LAST:
+        idx = torch.cummin(torch.zeros(3, device=device), dim=0).indices
+        _CUMMIN_KEEPS_LAST[key] = idx.tolist() == [0, 1, 2]
+    return _CUMMIN_KEEPS_LAST[key]
+
+
+def _causal_masks(lq: int, lk: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive masks for queries = the last lq of lk positions: (finite BIG above the diagonal, -inf
+    above the diagonal), both 0 elsewhere. Additive float masks are far cheaper than masked_fill."""
+    kpos = torch.arange(lk, device=like.device)
+    future = kpos[None, :] > kpos[lk - lq :, None]
+    big = torch.zeros(lq, lk, dtype=like.dtype, device=like.device)
+    big.masked_fill_(future, torch.finfo(like.dtype).max / 4)
+    neg = torch.zeros(lq, lk, dtype=like.dtype, device=like.device).masked_fill_(future, -_INF)
+    return big, neg
+
+
 def _range_min_diag(
-    phi: torch.Tensor, lq: int, with_arg: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """R_ij = min_{j <= t <= i} phi_t for the last lq positions i (as rows), all key positions j.
+    phi: torch.Tensor, big: torch.Tensor, with_arg: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """R_ij = min_{j <= t <= i} phi_t for queries i (the last Lq positions, rows) and keys j (columns).
 
-    Returns (R, lowest argmin or None, future mask). Entries with j > i are +inf (masked by the caller).
-    """
-    lk = phi.shape[-1]
-    off = lk - lq
-    kpos = torch.arange(lk, device=phi.device)
-    future = kpos[None, :] > (kpos[off:, None])  # (lq, lk)
-    a = phi.unsqueeze(-2).masked_fill(future, _INF)  # row i: phi with everything after i removed
-    r = torch.cummin(a.flip(-1), dim=-1).values.flip(-1)
+    Entries with j > i hold a huge finite value (the caller adds -inf there). With with_arg, also the
+    lowest argmin (int64, local key index)."""
+    a = phi.unsqueeze(-2) + big  # row i: phi with every position after i pushed to +BIG
+    rev = torch.cummin(a.flip(-1), dim=-1)
+    r = rev.values.flip(-1)
     if not with_arg:
-        return r, None, future
-    rec = torch.where(a == r, kpos, lk)  # same record trick as suffix_min, row by row
-    arg = torch.cummin(rec.flip(-1), dim=-1).values.flip(-1)
-    return r, arg, future
+        return r, None
+    lk = phi.shape[-1]
+    if _cummin_keeps_last(phi.device):
+        # On the flipped row the last of equal minima is the lowest original index: the tie rule.
+        return r, (lk - 1) - rev.indices.flip(-1)
+    kpos = torch.arange(lk, device=phi.device)
+    rec = torch.where(a == r, kpos, lk)  # records, as in suffix_min
+    return r, torch.cummin(rec.flip(-1), dim=-1).values.flip(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tile cores. qs is q already multiplied by scale, everything float32. They return unscaled dq (= ds@k).
+# Tile cores, on 3-D operands (N, L, D) where N is any flattened batch (B*H, or tiles x B*H).
+# They see "augmented" operands so the per-row and per-column bias terms ride along in the matmul's
+# reduction dimension for free (an elementwise pass over a tile costs 10-30% of a matmul on CPU):
+#   qa = [scale*q, c, r_i]  ka = [k, -phi_j, 1]   ->  qa . ka = scale q.k - c*phi_j + r_i
+# with c = 1 for fpa/fox (0 for softmax) and r_i = (phi_i for fox) - (a per-row reference: the lse in
+# the backward, the diagonal's lse in the forward's fast path).
+#   doa = [dO, -delta_i]    va = [v, 1]            ->  doa . va = dO.v - delta_i
+# fpa's min(P_i, M, S_j) term is written into the score buffer first and the matmul accumulates onto it
+# (baddbmm), so it costs one pass. dq/dk/dv accumulate in place into caller buffers the same way.
+# `buf` arguments are optional preallocated (N, Lq, Lk) workspaces (reused to avoid page faults).
 # ----------------------------------------------------------------------------------------------------
 
 
-def _softmax_stats(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(s) @ v, logsumexp(s)) over the last dim, reusing s as the workspace."""
+def _augment_q(qs, kind, phi_q, ref):
+    """[qs, c, r] with c, r as above; ref (the per-row reference) may be None."""
+    c = qs.new_full(qs.shape[:-1], 0.0 if kind == "softmax" else 1.0)
+    r = _f32(phi_q).clone() if kind == "fox" else qs.new_zeros(qs.shape[:-1])
+    if ref is not None:
+        r = r - ref
+    return torch.cat([qs, c.unsqueeze(-1), r.unsqueeze(-1)], dim=-1)
+
+
+def _augment_k(k, kind, phi_k):
+    neg_phi = k.new_zeros(k.shape[:-1]) if kind == "softmax" else -_f32(phi_k)
+    return torch.cat([k, neg_phi.unsqueeze(-1), torch.ones_like(neg_phi).unsqueeze(-1)], dim=-1)
+
+
+def _augment_tail(x, col):
+    return torch.cat([x, col.unsqueeze(-1)], dim=-1)
+
+
+def _new_buf(buf, n, lq, lk, like):
+    return torch.empty(n, lq, lk, dtype=like.dtype, device=like.device) if buf is None else buf
+
+
+def _cross_scores(qa, ka, row, s_min, buf=None):
+    """qa . ka (+ min(row_i, S_j) for fpa) into buf: (N, Lq, Lk)."""
+    buf = _new_buf(buf, qa.shape[0], qa.shape[1], ka.shape[1], qa)
+    if row is None:
+        return torch.bmm(qa, ka.transpose(1, 2), out=buf)
+    torch.minimum(row.unsqueeze(-1), s_min.unsqueeze(-2), out=buf)
+    return buf.baddbmm_(qa, ka.transpose(1, 2))
+
+
+def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
+    """Causal scores of diagonal tiles (-inf above the diagonal) and, for fpa, the range argmin."""
+    big, neg = masks
+    buf = _new_buf(buf, qa.shape[0], qa.shape[1], ka.shape[1], qa)
+    if kind != "fpa":
+        return torch.baddbmm(neg, qa, ka.transpose(1, 2), out=buf), None
+    r, arg = _range_min_diag(phi, big, with_arg)
+    torch.add(r, neg, out=buf)  # BIG + -inf = -inf above the diagonal
+    return buf.baddbmm_(qa, ka.transpose(1, 2)), arg
+
+
+def _finish_softmax(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(s) @ v, logsumexp(s)) over the last dim, exact (max-shifted); s is overwritten."""
     m = s.amax(dim=-1, keepdim=True)
     s.sub_(m).exp_()
     den = s.sum(dim=-1, keepdim=True)
-    out = torch.matmul(s, v).div_(den)
+    out = torch.bmm(s, v).div_(den)
     return out, (m + den.log()).squeeze(-1)
 
 
-def _cross_logits(
-    qs: torch.Tensor,
-    k: torch.Tensor,
-    kind: str,
-    row: torch.Tensor | None,
-    s_min: torch.Tensor | None,
-    phi_k: torch.Tensor | None,
-) -> torch.Tensor:
-    """scale*q.k + b for a cross tile. fpa: row = min(P_i, M); fox: row = phi_q_i."""
-    s = torch.matmul(qs, k.transpose(-1, -2))
+def _accumulate(s: torch.Tensor, v: torch.Tensor, acc: torch.Tensor, den: torch.Tensor) -> None:
+    """acc += exp(s) @ v, den += rowsum(exp(s)): s already holds logits minus the row reference."""
+    s.exp_()
+    den.add_(s.sum(dim=-1))
+    acc.baddbmm_(s, v)
+
+
+def _bwd_tile(p, qs, k, v, va, do, doa, dq, dk, dv, buf_ds=None):
+    """Shared flash-attention-2 tile backward: p holds logits - lse; accumulates dq (unscaled), dk, dv."""
+    p.exp_()
+    dv.baddbmm_(p.transpose(1, 2), do)
+    ds = torch.bmm(doa, va.transpose(1, 2), out=_new_buf(buf_ds, *p.shape, p)).mul_(p)  # p (dO.v - delta)
+    dq.baddbmm_(ds, k)
+    dk.baddbmm_(ds.transpose(1, 2), qs)
+    return ds
+
+
+def _route_cross(ds, row, s_min, arg_s, p_min, arg_p, m_between, buf_w=None):
+    """fpa: route ds_ij to the argmin of min(S_j, M, P_i); S wins ties (lowest index), then M, then P.
+
+    Returns (dphi_q (N, Lq), dphi_k (N, Lk), dm (N,))."""
+    row_all, col_all = ds.sum(dim=-1), ds.sum(dim=-2)
+    w = torch.le(s_min.unsqueeze(-2), row.unsqueeze(-1), out=_new_buf(buf_w, *ds.shape, ds))  # float 0/1
+    ds_s = w.mul_(ds)
+    col_s = ds_s.sum(dim=-2)
+    rest = row_all - ds_s.sum(dim=-1)  # per query: the part that goes to min(P_i, M)
+    m_wins = m_between.unsqueeze(-1) <= p_min
+    dm = torch.where(m_wins, rest, 0.0).sum(dim=-1)
+    dphi_q = torch.zeros_like(p_min).scatter_add_(-1, arg_p, torch.where(m_wins, 0.0, rest))
+    dphi_k = torch.zeros_like(s_min).scatter_add_(-1, arg_s, col_s).sub_(col_all)
+    return dphi_q, dphi_k, dm
+
+
+def _route_diag(ds, arg, kind):
+    """Field gradient of diagonal tiles: (N, Lk)."""
+    dphi = ds.sum(dim=-2).neg_()
     if kind == "fpa":
-        s.add_(torch.minimum(row.unsqueeze(-1), s_min.unsqueeze(-2))).sub_(phi_k.unsqueeze(-2))
-    elif kind == "fox":
-        s.add_(row.unsqueeze(-1) - phi_k.unsqueeze(-2))
-    return s
-
-
-def _cross_fwd_core(qs, k, v, kind, row, s_min, phi_k):
-    return _softmax_stats(_cross_logits(qs, k, kind, row, s_min, phi_k), v)
-
-
-def _cross_bwd_core(qs, k, v, do, lse, delta, kind, p_min, arg_p, m_between, s_min, arg_s, phi_q, phi_k):
-    """Gradients of one batch of cross tiles. Returns (dq_unscaled, dk, dv, dphi_q, dphi_k, dm)."""
-    row = None
-    if kind == "fpa":
-        row = torch.minimum(p_min, m_between.unsqueeze(-1))
-    elif kind == "fox":
-        row = phi_q
-    p = _cross_logits(qs, k, kind, row, s_min, phi_k)
-    p.sub_(lse.unsqueeze(-1)).exp_()
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = torch.matmul(do, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)
-    del p
-    dq = torch.matmul(ds, k)
-    dk = torch.matmul(ds.transpose(-1, -2), qs)
-    dphi_q = dphi_k = dm = None
-    if kind == "fpa":
-        # Route ds_ij to the argmin of min(S_j, M, P_i): S wins ties (lowest index), then M, then P.
-        s_wins = s_min.unsqueeze(-2) <= row.unsqueeze(-1)
-        ds_s = ds * s_wins
-        col_s = ds_s.sum(dim=-2)
-        rest = ds.sum(dim=-1) - ds_s.sum(dim=-1)  # per query: the part that goes to min(P_i, M)
-        del ds_s
-        m_wins = m_between.unsqueeze(-1) <= p_min
-        dm = (rest * m_wins).sum(dim=-1)
-        dphi_q = torch.zeros_like(p_min).scatter_add_(-1, arg_p, rest.masked_fill_(m_wins, 0.0))
-        dphi_k = torch.zeros_like(s_min).scatter_add_(-1, arg_s, col_s).sub_(ds.sum(dim=-2))
-    elif kind == "fox":
-        dphi_q = ds.sum(dim=-1)
-        dphi_k = ds.sum(dim=-2).neg_()
-    return dq, dk, dv, dphi_q, dphi_k, dm
-
-
-def _diag_logits(qs, k, phi, kind, with_arg):
-    lq = qs.shape[-2]
-    s = torch.matmul(qs, k.transpose(-1, -2))
-    arg = None
-    if kind == "fpa":
-        r, arg, future = _range_min_diag(phi, lq, with_arg)
-        s.add_(r.masked_fill_(future, 0.0)).sub_(phi.unsqueeze(-2))
-    else:
-        lk = k.shape[-2]
-        kpos = torch.arange(lk, device=k.device)
-        future = kpos[None, :] > kpos[lk - lq :, None]
-        if kind == "fox":
-            s.add_(phi[..., lk - lq :].unsqueeze(-1) - phi.unsqueeze(-2))
-    return s.masked_fill_(future, -_INF), arg
-
-
-def _diag_fwd_core(qs, k, v, phi, kind):
-    s, _ = _diag_logits(qs, k, phi, kind, with_arg=False)
-    return _softmax_stats(s, v)
-
-
-def _diag_bwd_core(qs, k, v, phi, do, lse, delta, kind):
-    """Gradients of a batch of diagonal tiles. Returns (dq_unscaled, dk, dv, dphi or None)."""
-    p, arg = _diag_logits(qs, k, phi, kind, with_arg=True)
-    p.sub_(lse.unsqueeze(-1)).exp_()
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = torch.matmul(do, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)
-    del p
-    dq = torch.matmul(ds, k)
-    dk = torch.matmul(ds.transpose(-1, -2), qs)
-    dphi = None
-    if kind == "fpa":
-        dphi = torch.zeros_like(phi).scatter_add_(-1, arg.flatten(-2), ds.flatten(-2)).sub_(ds.sum(dim=-2))
-    elif kind == "fox":
-        lq = qs.shape[-2]
-        dphi = ds.sum(dim=-2).neg_()
-        dphi[..., dphi.shape[-1] - lq :] += ds.sum(dim=-1)
-    return dq, dk, dv, dphi
+        dphi.scatter_add_(-1, arg.flatten(-2), ds.flatten(-2))
+    else:  # fox: + phi_i for the queries (the last Lq positions)
+        dphi[..., dphi.shape[-1] - ds.shape[-2] :] += ds.sum(dim=-1)
+    return dphi
 
 
 # ----------------------------------------------------------------------------------------------------
-# Public building blocks
+# Public building blocks (any leading dims; flattened to 3-D for the cores)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -263,6 +289,14 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
 def _f32(x: torch.Tensor) -> torch.Tensor:
     # Half types accumulate in float32; float64 stays float64 so gradcheck sees exact arithmetic.
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _flat(x: torch.Tensor | None, tail: int) -> torch.Tensor | None:
+    """Flatten all but the last `tail` dims into one (contiguous)."""
+    if x is None:
+        return None
+    x = x.contiguous()
+    return x.reshape(-1, *x.shape[x.dim() - tail :]) if tail else x.reshape(-1)
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -281,16 +315,25 @@ def merge_lse(
     return out, lse
 
 
+def _need_field(kind, **named):
+    if kind == "softmax":
+        return
+    for name, t in named.items():
+        if t is None:
+            raise ValueError(f"kind {kind!r} needs {name}")
+
+
 def _cross_field(kind, phi_q, phi_k, m_between):
-    """Per-kind field inputs of a cross tile: (row term, S, argS, P, argP, M) as float32."""
-    if kind == "fpa":
-        p_min, arg_p = prefix_min(_f32(phi_q))
-        s_min, arg_s = suffix_min(_f32(phi_k))
-        m = _f32(m_between).expand(p_min.shape[:-1])
-        return torch.minimum(p_min, m.unsqueeze(-1)), s_min, arg_s, p_min, arg_p, m
-    if kind == "fox":
-        return _f32(phi_q), None, None, None, None, None
-    return None, None, None, None, None, None
+    """fpa's field terms of a cross tile, flattened: (row = min(P, M), S, argS, P, argP, M)."""
+    if kind != "fpa":
+        return (None,) * 6
+    if m_between is None:
+        raise ValueError("kind 'fpa' needs m_between (+inf for adjacent chunks)")
+    p_min, arg_p = prefix_min(_flat(_f32(phi_q), 1))
+    s_min, arg_s = suffix_min(_flat(_f32(phi_k), 1))
+    lead = phi_q.shape[:-1]
+    m = torch.as_tensor(m_between, dtype=p_min.dtype, device=p_min.device).expand(lead).reshape(-1)
+    return torch.minimum(p_min, m.unsqueeze(-1)), s_min, arg_s, p_min, arg_p, m
 
 
 def fpa_cross_forward(
@@ -306,10 +349,14 @@ def fpa_cross_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a query chunk against a strictly earlier key chunk; see the module docstring."""
     _check_kind(kind)
-    qs = _f32(q) * _scale(q, scale)
-    row, s_min, _, _, _, _ = _cross_field(kind, phi_q, phi_k, m_between)
-    pk = _f32(phi_k) if kind != "softmax" else None
-    return _cross_fwd_core(qs, _f32(k), _f32(v), kind, row, s_min, pk)
+    _need_field(kind, phi_q=phi_q, phi_k=phi_k)
+    lead = q.shape[:-2]
+    qs = _flat(_f32(q), 2) * _scale(q, scale)
+    row, s_min, *_ = _cross_field(kind, phi_q, phi_k, m_between)
+    qa = _augment_q(qs, kind, _flat(phi_q, 1), None)
+    ka = _augment_k(_flat(_f32(k), 2), kind, _flat(phi_k, 1))
+    out, lse = _finish_softmax(_cross_scores(qa, ka, row, s_min), _flat(_f32(v), 2))
+    return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, -1)
 
 
 def fpa_diag_forward(
@@ -323,9 +370,16 @@ def fpa_diag_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a chunk against itself, causal; q are the last Lq of the Lk positions."""
     _check_kind(kind)
-    qs = _f32(q) * _scale(q, scale)
-    pk = _f32(phi) if phi is not None else None
-    return _diag_fwd_core(qs, _f32(k), _f32(v), pk, kind)
+    _need_field(kind, phi=phi)
+    lead = q.shape[:-2]
+    lq, lk = q.shape[-2], k.shape[-2]
+    qs = _flat(_f32(q), 2) * _scale(q, scale)
+    pf = _flat(_f32(phi), 1) if phi is not None else None
+    qa = _augment_q(qs, kind, None if pf is None else pf[:, lk - lq :], None)
+    ka = _augment_k(_flat(_f32(k), 2), kind, pf)
+    s, _ = _diag_scores(qa, ka, pf, kind, _causal_masks(lq, lk, qs), with_arg=False)
+    out, lse = _finish_softmax(s, _flat(_f32(v), 2))
+    return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, -1)
 
 
 def _delta(dout, out, delta):
@@ -334,6 +388,15 @@ def _delta(dout, out, delta):
     if out is None:
         raise ValueError("the tile backward needs either out or delta (= rowsum(dout * out))")
     return attention_delta(dout, out)
+
+
+def _bwd_operands(dout, q, k, v, lse, out, delta, sc):
+    qs, kf, vf, do = (_flat(_f32(x), 2) for x in (q, k, v, dout))
+    qs = qs * sc
+    delta = _flat(_delta(dout, out, delta), 1)
+    va, doa = _augment_tail(vf, torch.ones_like(vf[..., 0])), _augment_tail(do, -delta)
+    zeros = (torch.zeros_like(qs), torch.zeros_like(kf), torch.zeros_like(vf))
+    return qs, kf, vf, do, va, doa, _flat(_f32(lse), 1), zeros
 
 
 def fpa_cross_backward(
@@ -353,22 +416,32 @@ def fpa_cross_backward(
 ) -> CrossGrads:
     """Gradients of a cross tile given the full-row lse and out (or delta); see the module docstring."""
     _check_kind(kind)
+    _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     sc = _scale(q, scale)
-    qs = _f32(q) * sc
-    delta = _delta(dout, out, delta)
+    qs, kf, vf, do, va, doa, lse_f, (dq, dk, dv) = _bwd_operands(dout, q, k, v, lse, out, delta, sc)
     row, s_min, arg_s, p_min, arg_p, m = _cross_field(kind, phi_q, phi_k, m_between)
-    pq = _f32(phi_q) if kind == "fox" else None
-    pk = _f32(phi_k) if kind != "softmax" else None
-    dq, dk, dv, dphi_q, dphi_k, dm = _cross_bwd_core(
-        qs, _f32(k), _f32(v), _f32(dout), _f32(lse), delta, kind, p_min, arg_p, m, s_min, arg_s, pq, pk
+    qa = _augment_q(qs, kind, _flat(phi_q, 1), lse_f)
+    ka = _augment_k(kf, kind, _flat(phi_k, 1))
+    ds = _bwd_tile(_cross_scores(qa, ka, row, s_min), qs, kf, vf, va, do, doa, dq, dk, dv)
+    if kind == "fpa":
+        dphi_q, dphi_k, dm = _route_cross(ds, row, s_min, arg_s, p_min, arg_p, m)
+    elif kind == "fox":
+        dphi_q, dphi_k, dm = ds.sum(dim=-1), ds.sum(dim=-2).neg_(), qs.new_zeros(qs.shape[0])
+    else:
+        dphi_q, dphi_k, dm = (
+            qs.new_zeros(qs.shape[:-1]),
+            kf.new_zeros(kf.shape[:-1]),
+            qs.new_zeros(qs.shape[0]),
+        )
+    lq, lk = q.shape[:-1], k.shape[:-1]
+    return CrossGrads(
+        dq.mul_(sc).reshape(q.shape),
+        dk.reshape(k.shape),
+        dv.reshape(v.shape),
+        dphi_q.reshape(lq),
+        dphi_k.reshape(lk),
+        dm.reshape(q.shape[:-2]),
     )
-    lead_q, lead_k = q.shape[:-1], k.shape[:-1]
-    if dphi_q is None:
-        dphi_q = q.new_zeros(lead_q, dtype=torch.float32)
-        dphi_k = k.new_zeros(lead_k, dtype=torch.float32)
-    if dm is None:
-        dm = q.new_zeros(q.shape[:-2], dtype=torch.float32)
-    return CrossGrads(dq.mul_(sc), dk, dv, dphi_q, dphi_k, dm)
 
 
 def fpa_diag_backward(
@@ -386,18 +459,25 @@ def fpa_diag_backward(
 ) -> DiagGrads:
     """Gradients of a causal diagonal tile given the full-row lse and out (or delta)."""
     _check_kind(kind)
+    _need_field(kind, phi=phi)
     sc = _scale(q, scale)
-    qs = _f32(q) * sc
-    delta = _delta(dout, out, delta)
-    pk = _f32(phi) if phi is not None else None
-    dq, dk, dv, dphi = _diag_bwd_core(qs, _f32(k), _f32(v), pk, _f32(dout), _f32(lse), delta, kind)
-    if dphi is None:
-        dphi = k.new_zeros(k.shape[:-1], dtype=torch.float32)
-    return DiagGrads(dq.mul_(sc), dk, dv, dphi)
+    lq, lk = q.shape[-2], k.shape[-2]
+    qs, kf, vf, do, va, doa, lse_f, (dq, dk, dv) = _bwd_operands(dout, q, k, v, lse, out, delta, sc)
+    pf = _flat(_f32(phi), 1) if phi is not None else None
+    qa = _augment_q(qs, kind, None if pf is None else pf[:, lk - lq :], lse_f)
+    ka = _augment_k(kf, kind, pf)
+    p, arg = _diag_scores(qa, ka, pf, kind, _causal_masks(lq, lk, qs), with_arg=True)
+    ds = _bwd_tile(p, qs, kf, vf, va, do, doa, dq, dk, dv)
+    dphi = kf.new_zeros(kf.shape[:-1]) if kind == "softmax" else _route_diag(ds, arg, kind)
+    return DiagGrads(
+        dq.mul_(sc).reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dphi.reshape(k.shape[:-1])
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
-# The full causal op, built from the tile cores
+# The full causal op, built from the tile cores. Internally everything is block-major,
+# (n_blocks, B*H, block, D), so a run of consecutive blocks is one contiguous slice whose flattening
+# (tiles*B*H, block, D) is a view: the batched matmuls never copy.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -406,8 +486,8 @@ class _Plan:
     front with `front` dummy rows (real positions whose outputs are dropped) so query blocks line up with
     key blocks, and at the end like the keys. Query block i is key block qb0 + i."""
 
-    def __init__(self, tq: int, tk: int, bs: int) -> None:
-        self.bs = bs
+    def __init__(self, tq: int, tk: int, bs: int, bh: int) -> None:
+        self.bs, self.bh = bs, bh
         self.n_blk = -(-tk // bs)
         self.back = self.n_blk * bs - tk
         offset = tk - tq
@@ -415,150 +495,225 @@ class _Plan:
         self.front = offset - self.qb0 * bs
         self.nq = self.n_blk - self.qb0
         self.tq, self.tk = tq, tk
-        # Query-block groups per block diagonal d, each at most _TILE_ROWS rows.
-        self.group = max(1, _TILE_ROWS // bs)
+        # Tiles per batched step, so the workspace stays near _TILE_ELEMS floats whatever T is.
+        self.group = max(1, min(self.nq, _TILE_ELEMS // (bh * bs * bs)))
 
     def groups(self, d: int):
-        """(query-block slice, key-block slice) pairs for block diagonal d >= 1."""
+        """(query-block slice, key-block slice) pairs for block diagonal d (d = 0: the diagonal)."""
         lo = max(self.qb0, d)
         for g0 in range(lo, self.n_blk, self.group):
             g1 = min(g0 + self.group, self.n_blk)
             yield slice(g0 - self.qb0, g1 - self.qb0), slice(g0 - d, g1 - d)
 
+    def workspace(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(self.group * self.bh, self.bs, self.bs, dtype=like.dtype, device=like.device)
 
-def _pad_rows(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
-    if front == 0 and back == 0:
-        return x
-    if x.dim() == 3:  # phi (B, H, T)
-        return torch.nn.functional.pad(x, (front, back))
-    return torch.nn.functional.pad(x, (0, 0, front, back))
+
+def _to_blocks(x: torch.Tensor, front: int, back: int, bs: int) -> torch.Tensor:
+    """(B, H, T, *) -> (n_blocks, B*H, bs, *) after zero padding rows at the front and back."""
+    b, h, t = x.shape[:3]
+    rest = x.shape[3:]
+    if front or back:
+        pad = (0, 0) * len(rest) + (front, back)
+        x = torch.nn.functional.pad(x, pad)
+    x = x.reshape(b * h, (t + front + back) // bs, bs, *rest)
+    return x.transpose(0, 1).contiguous()
+
+
+def _from_blocks(x: torch.Tensor, b: int, h: int, start: int, length: int) -> torch.Tensor:
+    """Inverse of _to_blocks: (n, B*H, bs, *) -> (B, H, length, *) from padded row `start`."""
+    n, bh, bs = x.shape[:3]
+    rest = x.shape[3:]
+    y = x.transpose(0, 1).reshape(bh, n * bs, *rest)[:, start : start + length]
+    return y.reshape(b, h, length, *rest)
+
+
+def _f(x: torch.Tensor) -> torch.Tensor:
+    """(tiles, B*H, ...) block slice -> (tiles*B*H, ...) view for the 3-D cores."""
+    return x.flatten(0, 1)
 
 
 class _Field:
-    """Per-block minima of the (padded) field, computed once per call: O(T)."""
+    """Per-block minima of the (padded, block-major) field, computed once per call: O(T)."""
 
     def __init__(self, phib: torch.Tensor, plan: _Plan) -> None:
-        # phib: (B, H, n_blk, bs)
+        # phib: (n_blk, BH, bs)
         self.s_min, self.arg_s = suffix_min(phib)
-        self.p_min, self.arg_p = prefix_min(phib[:, :, plan.qb0 :])
+        self.p_min, self.arg_p = prefix_min(phib[plan.qb0 :])
         self.bmin = self.s_min[..., 0]
         starts = torch.arange(plan.n_blk, device=phib.device) * plan.bs
-        self.bargmin = self.arg_s[..., 0] + starts  # global index of each block's lowest argmin
+        self.bargmin = self.arg_s[..., 0] + starts[:, None]  # global position of each block's argmin
         # Running min of the blocks strictly between key block qb-d and query block qb (one per query
         # block), updated as d grows; +inf while the blocks are adjacent.
         self.m_run = torch.full_like(self.p_min[..., 0], _INF)
         self.m_arg = torch.zeros_like(self.arg_p[..., 0])
 
     def advance(self, d: int, plan: _Plan) -> None:
-        """Move from diagonal d-1 to d: block qb-d+1 becomes 'between' for every active query block."""
+        """Move to diagonal d: block qb-d+1 becomes 'between' for every active query block qb."""
         if d < 2:
             return
         lo = max(plan.qb0, d)
-        qi = slice(lo - plan.qb0, plan.n_blk - plan.qb0)
+        qi = slice(lo - plan.qb0, plan.nq)
         nb = slice(lo - d + 1, plan.n_blk - d + 1)
-        new, new_arg = self.bmin[:, :, nb], self.bargmin[:, :, nb]
-        take = new <= self.m_run[:, :, qi]  # the newly added block is earlier: it wins ties
-        self.m_run[:, :, qi] = torch.where(take, new, self.m_run[:, :, qi])
-        self.m_arg[:, :, qi] = torch.where(take, new_arg, self.m_arg[:, :, qi])
+        new, new_arg = self.bmin[nb], self.bargmin[nb]
+        take = new <= self.m_run[qi]  # the newly added block is earlier: it wins ties
+        self.m_run[qi] = torch.where(take, new, self.m_run[qi])
+        self.m_arg[qi] = torch.where(take, new_arg, self.m_arg[qi])
+
+    def row(self, qi: slice) -> torch.Tensor:
+        return _f(torch.minimum(self.p_min[qi], self.m_run[qi].unsqueeze(-1)))
 
 
-def _prepare(q, k, v, phi, scale, plan: _Plan):
-    b, h, _, d = q.shape
-    bs = plan.bs
-    qs = _pad_rows(_f32(q) * scale, plan.front, plan.back).view(b, h, plan.nq, bs, d)
-    kb = _pad_rows(_f32(k), 0, plan.back).view(b, h, plan.n_blk, bs, d)
-    vb = _pad_rows(_f32(v), 0, plan.back).view(b, h, plan.n_blk, bs, v.shape[-1])
-    phib = None if phi is None else _pad_rows(_f32(phi), 0, plan.back).view(b, h, plan.n_blk, bs)
-    return qs, kb, vb, phib
+class _Blocks:
+    """The block-major operands of one call. `ref` (block-major (nq, BH, bs)) is subtracted from every
+    logit through qa: the diagonal lse in the forward's fast path, the final lse in the backward."""
+
+    def __init__(self, q, k, v, phi, kind, scale, plan: _Plan, dout=None, delta=None):
+        bs, front, back = plan.bs, plan.front, plan.back
+        self.kind = kind
+        self.qs = _to_blocks(_f32(q) * scale, front, back, bs)
+        self.k = _to_blocks(_f32(k), 0, back, bs)
+        self.v = _to_blocks(_f32(v), 0, back, bs)
+        self.phi = None if phi is None else _to_blocks(_f32(phi).unsqueeze(-1), 0, back, bs).squeeze(-1)
+        self.phi_q = None if self.phi is None else self.phi[plan.qb0 :]
+        self.qa = _augment_q(self.qs, kind, self.phi_q, None)
+        self.ka = _augment_k(self.k, kind, self.phi)
+        if dout is not None:
+            self.do = _to_blocks(_f32(dout), front, back, bs)
+            self.va = _augment_tail(self.v, torch.ones_like(self.v[..., 0]))
+            neg_delta = _to_blocks(-delta.unsqueeze(-1), front, back, bs).squeeze(-1)
+            self.doa = _augment_tail(self.do, neg_delta)
+
+    def set_ref(self, ref: torch.Tensor) -> None:
+        base = self.phi_q if self.kind == "fox" else 0.0
+        self.qa[..., -1] = base - ref
 
 
 def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
-    """Padded (out (B,H,nq,bs,Dv), lse (B,H,nq,bs)) in float32."""
-    qs, kb, vb, phib = _prepare(q, k, v, phi, scale, plan)
-    qb0 = plan.qb0
-    diag_phi = None if phib is None else phib[:, :, qb0:]
-    out, lse = _diag_fwd_core(qs, kb[:, :, qb0:], vb[:, :, qb0:], diag_phi, kind)
-    field = _Field(phib, plan) if kind == "fpa" else None
+    """Block-major (out (nq, BH, bs, Dv), lse (nq, BH, bs)) in float32."""
+    x = _Blocks(q, k, v, phi, kind, scale, plan)
+    masks = _causal_masks(plan.bs, plan.bs, x.qs)
+    buf = plan.workspace(x.qs)
+    out = torch.empty(*x.qs.shape[:-1], x.v.shape[-1], dtype=x.qs.dtype, device=x.qs.device)
+    lse = torch.empty(x.qs.shape[:-1], dtype=x.qs.dtype, device=x.qs.device)
+    for qi, ki in plan.groups(0):
+        phi_d = None if x.phi is None else _f(x.phi[ki])
+        s, _ = _diag_scores(
+            _f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[: _f(x.qa[qi]).shape[0]]
+        )
+        o, l = _finish_softmax(s, _f(x.v[ki]))
+        out[qi] = o.view_as(out[qi])
+        lse[qi] = l.view_as(lse[qi])
+    if plan.n_blk == 1:
+        return out, lse
+    field = _Field(x.phi, plan) if kind == "fpa" else None
+    # Fast path: every cross tile's logits are taken relative to the diagonal's lse (a lower bound of
+    # the row's final lse, so nothing that matters underflows) and summed without per-tile rescaling.
+    # Should a cross logit exceed it by ~88 (float32 exp overflow) the sums turn inf, and the call is
+    # redone with exact per-tile max-shifts and log-sum-exp merges.
+    x.set_ref(lse)
+    acc, den = out.clone(), torch.ones_like(lse)
     for d in range(1, plan.n_blk):
         if field is not None:
             field.advance(d, plan)
         for qi, ki in plan.groups(d):
-            row = s_min = phi_k = None
-            if kind == "fpa":
-                row = torch.minimum(field.p_min[:, :, qi], field.m_run[:, :, qi, None])
-                s_min, phi_k = field.s_min[:, :, ki], phib[:, :, ki]
-            elif kind == "fox":
-                row, phi_k = phib[:, :, qb0:][:, :, qi], phib[:, :, ki]
-            o_t, l_t = _cross_fwd_core(qs[:, :, qi], kb[:, :, ki], vb[:, :, ki], kind, row, s_min, phi_k)
-            o_m, l_m = merge_lse(out[:, :, qi], lse[:, :, qi], o_t, l_t)
-            out[:, :, qi] = o_m
-            lse[:, :, qi] = l_m
+            row = s_min = None
+            if field is not None:
+                row, s_min = field.row(qi), _f(field.s_min[ki])
+            n = (qi.stop - qi.start) * plan.bh
+            s = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf[:n])
+            _accumulate(s, _f(x.v[ki]), _f(acc[qi]), _f(den[qi]))
+    if torch.isfinite(den).all() and torch.isfinite(acc).all():
+        return acc.div_(den.unsqueeze(-1)), lse.add_(den.log_())
+    return _forward_exact(x, out, lse, kind, plan, buf)
+
+
+def _forward_exact(x: _Blocks, out, lse, kind: str, plan: _Plan, buf):
+    """Cross tiles with exact per-tile max-shifts, merged by log-sum-exp (fallback for huge logits)."""
+    x.set_ref(torch.zeros_like(lse))
+    field = _Field(x.phi, plan) if kind == "fpa" else None
+    for d in range(1, plan.n_blk):
+        if field is not None:
+            field.advance(d, plan)
+        for qi, ki in plan.groups(d):
+            row = s_min = None
+            if field is not None:
+                row, s_min = field.row(qi), _f(field.s_min[ki])
+            n = (qi.stop - qi.start) * plan.bh
+            s = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf[:n])
+            o_t, l_t = _finish_softmax(s, _f(x.v[ki]))
+            o_m, l_m = merge_lse(out[qi], lse[qi], o_t.view_as(out[qi]), l_t.view_as(lse[qi]))
+            out[qi] = o_m
+            lse[qi] = l_m
     return out, lse
 
 
 def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan):
-    b, h, _, d_qk = q.shape
-    bs, qb0 = plan.bs, plan.qb0
-    qs, kb, vb, phib = _prepare(q, k, v, phi, scale, plan)
-    do = _pad_rows(_f32(dout), plan.front, plan.back).view(b, h, plan.nq, bs, v.shape[-1])
-    delta = _pad_rows(attention_delta(dout, out), plan.front, plan.back).view(b, h, plan.nq, bs)
-    diag_phi = None if phib is None else phib[:, :, qb0:]
-    dq, dk_d, dv_d, dphi_d = _diag_bwd_core(
-        qs, kb[:, :, qb0:], vb[:, :, qb0:], diag_phi, do, lse, delta, kind
+    b, h = q.shape[:2]
+    x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
+    x.set_ref(lse)
+    masks = _causal_masks(plan.bs, plan.bs, x.qs)
+    buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
+    dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
+    dphi = None if kind == "softmax" else torch.zeros_like(x.phi)
+    for qi, ki in plan.groups(0):
+        n = (qi.stop - qi.start) * plan.bh
+        phi_d = None if x.phi is None else _f(x.phi[ki])
+        p, arg = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, True, buf_p[:n])
+        ds = _bwd_tile(
+            p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
+            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n],
+        )  # fmt: skip
+        if dphi is not None:
+            _f(dphi[ki]).add_(_route_diag(ds, arg, kind))
+    field = _Field(x.phi, plan) if kind == "fpa" else None
+    dphi_m = (
+        torch.zeros(plan.bh, plan.n_blk * plan.bs, dtype=x.qs.dtype, device=x.qs.device)
+        if field is not None
+        else None
     )
-    dk = torch.zeros_like(kb)
-    dv = torch.zeros_like(vb)
-    dk[:, :, qb0:] = dk_d
-    dv[:, :, qb0:] = dv_d
-    dphi = None
-    if kind != "softmax":
-        dphi = torch.zeros_like(phib)
-        dphi[:, :, qb0:] = dphi_d
-    field = _Field(phib, plan) if kind == "fpa" else None
     for d in range(1, plan.n_blk):
         if field is not None:
             field.advance(d, plan)
         for qi, ki in plan.groups(d):
-            a = dict(p_min=None, arg_p=None, m_between=None, s_min=None, arg_s=None, phi_q=None, phi_k=None)
-            if kind == "fpa":
-                a.update(
-                    p_min=field.p_min[:, :, qi],
-                    arg_p=field.arg_p[:, :, qi],
-                    m_between=field.m_run[:, :, qi],
-                    s_min=field.s_min[:, :, ki],
-                    arg_s=field.arg_s[:, :, ki],
-                    phi_k=phib[:, :, ki],
-                )
-            elif kind == "fox":
-                a.update(phi_q=phib[:, :, qb0:][:, :, qi], phi_k=phib[:, :, ki])
-            g = _cross_bwd_core(
-                qs[:, :, qi], kb[:, :, ki], vb[:, :, ki], do[:, :, qi], lse[:, :, qi], delta[:, :, qi], kind,
-                a["p_min"], a["arg_p"], a["m_between"], a["s_min"], a["arg_s"], a["phi_q"], a["phi_k"],
+            n = (qi.stop - qi.start) * plan.bh
+            row = s_min = None
+            if field is not None:
+                row, s_min = field.row(qi), _f(field.s_min[ki])
+            p = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf_p[:n])
+            ds = _bwd_tile(
+                p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
+                _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n],
             )  # fmt: skip
-            dq[:, :, qi] += g[0]
-            dk[:, :, ki] += g[1]
-            dv[:, :, ki] += g[2]
-            if dphi is not None:
-                dphi[:, :, qb0:][:, :, qi] += g[3]
-                dphi[:, :, ki] += g[4]
-            if kind == "fpa":
+            if kind == "fox":
+                _f(dphi[plan.qb0 :][qi]).add_(ds.sum(dim=-1))
+                _f(dphi[ki]).sub_(ds.sum(dim=-2))
+            elif kind == "fpa":
+                dphi_q, dphi_k, dm = _route_cross(
+                    ds, row, s_min, _f(field.arg_s[ki]), _f(field.p_min[qi]), _f(field.arg_p[qi]),
+                    _f(field.m_run[qi]), buf_w[:n],
+                )  # fmt: skip
+                _f(dphi[plan.qb0 :][qi]).add_(dphi_q)
+                _f(dphi[ki]).add_(dphi_k)
                 # The between-blocks min is one scalar per tile: its gradient lands on its argmin.
-                dphi.view(b, h, -1).scatter_add_(-1, field.m_arg[:, :, qi], g[5])
-    dq = dq.view(b, h, -1, d_qk)[:, :, plan.front : plan.front + plan.tq].mul_(scale)
-    dk = dk.view(b, h, -1, d_qk)[:, :, : plan.tk]
-    dv = dv.view(b, h, -1, v.shape[-1])[:, :, : plan.tk]
+                dphi_m.scatter_add_(-1, field.m_arg[qi].transpose(0, 1), dm.view(-1, plan.bh).transpose(0, 1))
+    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
+    dk = _from_blocks(dk, b, h, 0, plan.tk)
+    dv = _from_blocks(dv, b, h, 0, plan.tk)
     if dphi is not None:
-        dphi = dphi.view(b, h, -1)[:, :, : plan.tk]
+        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
+        if dphi_m is not None:
+            dphi = dphi + dphi_m[:, : plan.tk].reshape(b, h, plan.tk)
     return dq, dk, dv, dphi
 
 
 class _ChunkedFPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, phi, kind, scale, block_size):
-        plan = _Plan(q.shape[-2], k.shape[-2], block_size)
-        out_p, lse = _forward(q, k, v, phi, kind, scale, plan)
-        out = out_p.view(*q.shape[:2], -1, v.shape[-1])[:, :, plan.front : plan.front + plan.tq]
-        out = out.to(q.dtype)
+        b, h = q.shape[:2]
+        plan = _Plan(q.shape[-2], k.shape[-2], block_size, b * h)
+        out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
+        out = _from_blocks(out_b, b, h, plan.front, plan.tq).to(q.dtype)
         ctx.save_for_backward(q, k, v, phi, out, lse)
         ctx.kind, ctx.scale, ctx.plan = kind, scale, plan
         return out
