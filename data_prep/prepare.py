@@ -124,6 +124,11 @@ def _count(docs: Iterable[str]) -> int:
     return sum(1 for _ in docs)
 
 
+def _has_text(docs: Iterator[str]) -> bool:
+    """Whether a source yields any document (reading stops at the first one)."""
+    return next(docs, None) is not None
+
+
 def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     if cfg.num_workers > 0:
@@ -133,18 +138,21 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     def train_source() -> Iterator[str]:
         return iter_documents(cfg.train, max_doc_chars=cfg.max_doc_chars)
 
-    n_source = _count(train_source())
-    if n_source == 0:
+    if not _has_text(train_source()):
         raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
+    # Counting costs a full read of the source: only when the split point or the passkey mix needs it.
+    n_train: int | None = None
     n_val_from_train = 0
-    if cfg.validation is None and cfg.val_fraction > 0:
-        n_val_from_train = max(1, round(n_source * cfg.val_fraction))
-        if n_val_from_train >= n_source:
-            raise DataError(
-                f"{source_label(cfg.train)}: only {n_source} documents, too few to hold out "
-                f"data.val_fraction={cfg.val_fraction} for validation"
-            )
-    n_train = n_source - n_val_from_train
+    if (cfg.validation is None and cfg.val_fraction > 0) or cfg.passkey_mix > 0:
+        n_source = _count(train_source())
+        if cfg.validation is None and cfg.val_fraction > 0:
+            n_val_from_train = max(1, round(n_source * cfg.val_fraction))
+            if n_val_from_train >= n_source:
+                raise DataError(
+                    f"{source_label(cfg.train)}: only {n_source} documents, too few to hold out "
+                    f"data.val_fraction={cfg.val_fraction} for validation"
+                )
+        n_train = n_source - n_val_from_train
 
     def train_docs() -> Iterator[str]:
         return itertools.islice(train_source(), n_train)
@@ -169,12 +177,15 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     stats: dict[str, Any] = {}
 
     # Train split, with the passkey mix.
-    n_passkey = round(cfg.passkey_mix * n_train)
+    n_passkey = 0
     docs: Iterable[str] = train_docs()
-    if n_passkey:
+    if cfg.passkey_mix > 0:
+        assert n_train is not None
+        n_passkey = round(cfg.passkey_mix * n_train)
         docs = _mix_passkey(docs, n_train, n_passkey, cfg, tok)
     writer = _writer(root, "train", cfg, dtype)
-    _write_split(writer, tok, docs, n_train + n_passkey, eod, dtype, cfg, progress)
+    total = None if n_train is None else n_train + n_passkey
+    _write_split(writer, tok, docs, total, eod, dtype, cfg, progress)
     splits["train"] = writer.close()
     stats["train"] = {**writer.stats.as_dict(), "passkey_documents": n_passkey}
     if not splits["train"]:
@@ -185,10 +196,9 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
 
     # Validation split.
     val_docs: Iterable[str] | None = None
-    n_val = 0
+    n_val: int | None = None
     if cfg.validation is not None:
-        n_val = _count(iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars))
-        if n_val == 0:
+        if not _has_text(iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars)):
             raise DataError(f"{source_label(cfg.validation)}: no text (every document is empty)")
         val_docs = iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars)
     elif n_val_from_train:
@@ -254,7 +264,7 @@ def _write_split(
     writer: SplitWriter,
     tok: Any,
     docs: Iterable[str],
-    total_docs: int,
+    total_docs: int | None,
     eod: int,
     dtype: str,
     cfg: DataConfig,
@@ -271,7 +281,7 @@ def _write_split(
         bar(None)
 
 
-def _progress_bar(enabled: bool, total: int, desc: str) -> Callable[[int | None], None]:
+def _progress_bar(enabled: bool, total: int | None, desc: str) -> Callable[[int | None], None]:
     """A tqdm bar as a callable: bar(n) advances, bar(None) closes; a no-op when disabled."""
     if not enabled:
         return lambda n: None
