@@ -190,8 +190,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for k in r["perplexity"]:
-            pos = r["ppl_by_position"][k]["loss"]
-            mean_loss = sum(pos) / len(pos)
+            mean_loss = math.log(r["perplexity"][k])
             lines.append(
                 f"| {k} | {mean_loss:.4f} | {r['perplexity'][k]:.2f} | {r['bits_per_byte'][k]:.4f} |"
             )
