@@ -534,6 +534,32 @@ def _field_backward(
     return dphi_c.flatten(-2)
 
 
+def _validate(
+    q: Tensor, k: Tensor, v: Tensor, u_or_phi: Tensor | None, kind: str, field: str, layout: str
+) -> Tensor | None:
+    """Argument checks shared by the ring and Ulysses; returns the field (None for softmax)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
+    if field not in FIELDS:
+        raise ValueError(f"unknown field mode {field!r}; expected one of {FIELDS}")
+    _check_layout(layout)
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"q, k, v must be (B, H, T_local, D) with equal shapes; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if kind != "softmax":
+        if u_or_phi is None:
+            raise ValueError(f"kind {kind!r} needs the field (increments or values), got None")
+        if u_or_phi.shape != q.shape[:-1]:
+            raise ValueError(
+                f"u_or_phi must be (B, H, T_local) = {tuple(q.shape[:-1])}; got {tuple(u_or_phi.shape)}"
+            )
+    else:
+        u_or_phi = None
+    return u_or_phi
+
+
 def context_parallel_attention(
     q: Tensor,
     k: Tensor,
@@ -556,25 +582,7 @@ def context_parallel_attention(
     to the single-process attention over the whole sequence. Differentiable w.r.t. q, k, v and u_or_phi.
     group None: the default world group (or a single process without torch.distributed).
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
-    if field not in FIELDS:
-        raise ValueError(f"unknown field mode {field!r}; expected one of {FIELDS}")
-    _check_layout(layout)
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
-        raise ValueError(
-            f"q, k, v must be (B, H, T_local, D) with equal shapes; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if kind != "softmax":
-        if u_or_phi is None:
-            raise ValueError(f"kind {kind!r} needs the field (increments or values), got None")
-        if u_or_phi.shape != q.shape[:-1]:
-            raise ValueError(
-                f"u_or_phi must be (B, H, T_local) = {tuple(q.shape[:-1])}; got {tuple(u_or_phi.shape)}"
-            )
-    else:
-        u_or_phi = None
+    u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)
     rank, world = _group_info(group)
     n_local = num_chunks(world, layout) // world
     if q.shape[-2] % n_local:
@@ -589,15 +597,116 @@ def context_parallel_attention(
 
 
 # ----------------------------------------------------------------------------------------------------
+# DeepSpeed-Ulysses style alternative: all-to-all from sequence shards to head shards and back
+
+
+def _seq_to_heads(x: Tensor, group: Any, world: int, layout: str) -> Tensor:
+    """(B, H, T/W, ...) sequence shard -> (B, H/W, T, ...) full sequence for this rank's heads."""
+    b, h = x.shape[:2]
+    send = x.reshape(b, world, h // world, *x.shape[2:]).transpose(0, 1).contiguous()  # (W,B,H/W,Tl,...)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[r] = rank r's tokens of my head group
+    return unshard_sequence(list(recv.unbind(0)), dim=2, layout=layout)
+
+
+def _heads_to_seq(y: Tensor, group: Any, world: int, layout: str) -> Tensor:
+    """Inverse of _seq_to_heads: (B, H/W, T, ...) -> (B, H, T/W, ...)."""
+    send = torch.stack([shard_sequence(y, r, world, dim=2, layout=layout) for r in range(world)])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)  # recv[r] = my tokens of head group r
+    return recv.transpose(0, 1).flatten(1, 2)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, world: int, layout: str) -> Tensor:
+        ctx.args = (group, world, layout)
+        return _seq_to_heads(x, group, world, layout)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
+        return _heads_to_seq(g.contiguous(), *ctx.args), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, group: Any, world: int, layout: str) -> Tensor:
+        ctx.args = (group, world, layout)
+        return _heads_to_seq(y, group, world, layout)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
+        return _seq_to_heads(g.contiguous(), *ctx.args), None, None, None
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u_or_phi: Tensor | None,
+    *,
+    kind: str = "fpa",
+    field: str = "walk",
+    group: Any = None,
+    scale: float | None = None,
+    block_size: int = 64,
+    layout: str = "zigzag",
+    impl: str = "auto",
+) -> Tensor:
+    """Same contract as context_parallel_attention, by all-to-all over heads (DeepSpeed-Ulysses).
+
+    Each rank gathers the whole sequence for H/W of the heads (H must be divisible by W), builds the
+    field with a plain cumsum, runs fpa_attention (impl as given) and scatters the output back. Moves
+    4 (q, k, v, out) x T/W x H x D per rank and needs O(T) activations per rank for H/W heads; the ring
+    moves K/V W-1 times but never holds the full sequence.
+    """
+    from fpa_model.ops.fpa import fpa_attention
+
+    rank, world = _group_info(group)
+    if q.shape[1] % world:
+        raise ValueError(
+            f"ulysses sequence parallelism needs heads ({q.shape[1]}) divisible by the group size {world}"
+        )
+    if kind != "softmax" and u_or_phi is None:
+        raise ValueError(f"kind {kind!r} needs the field (increments or values), got None")
+    if world == 1:
+        parts = [q, k, v] + ([u_or_phi[..., None]] if kind != "softmax" else [])
+        full = [unshard_sequence([t], dim=2, layout=layout) for t in parts]
+    else:
+        full = [_SeqToHeads.apply(t, group, world, layout) for t in (q, k, v)]
+        if kind != "softmax":
+            full.append(_SeqToHeads.apply(u_or_phi[..., None], group, world, layout))
+    phi = None
+    if kind != "softmax":
+        u = full[3][..., 0].float()
+        phi = u.cumsum(-1) if field in ("walk", "gate") else u
+    o = fpa_attention(
+        full[0], full[1], full[2], phi, kind=kind, scale=scale, impl=impl, block_size=block_size
+    )
+    if world == 1:
+        return shard_sequence(o, 0, 1, dim=2, layout=layout)
+    return _HeadsToSeq.apply(o, group, world, layout)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Model integration
 
 
-def attention_forward_sp(attn: Any, x: Tensor, group: Any, *, layout: str = "zigzag") -> Tensor:
+SP_MODES = ("ring", "ulysses")
+
+
+def attention_forward_sp(
+    attn: Any, x: Tensor, group: Any = None, *, layout: str | None = None, mode: str | None = None
+) -> Tensor:
     """What fpa_model.attention.Attention.forward computes, for x (B, T/W, d_model) = this rank's tokens.
 
-    Projections, qk-norm and the field increments are per token; RoPE gets each chunk's absolute offset
-    (a zigzag rank holds two chunks far apart); the attention op runs across the group.
+    group / layout / mode default to the layer's sp_group / sp_layout / sp_mode (enable_sequence_parallel
+    sets them). Projections, qk-norm and the field increments are per token; RoPE gets each chunk's
+    absolute offset (a zigzag rank holds two chunks far apart); the attention op runs across the group.
     """
+    group = getattr(attn, "sp_group", None) if group is None else group
+    layout = getattr(attn, "sp_layout", "zigzag") if layout is None else layout
+    mode = getattr(attn, "sp_mode", "ring") if mode is None else mode
     rank, world = _group_info(group)
     ids = chunk_ids(rank, world, layout)
     c = x.shape[1] // len(ids)
@@ -611,22 +720,30 @@ def attention_forward_sp(attn: Any, x: Tensor, group: Any, *, layout: str = "zig
         u = None if parts[0][3] is None else torch.cat([p[3] for p in parts], dim=-1)
     else:
         q, k, v, u = attn.project(x, pos_offset=ids[0] * c)
-    o = context_parallel_attention(
-        q, k, v, u, kind=attn.kind, field=attn.field_mode or "walk", group=group,
-        block_size=attn.cfg.block_size, layout=layout,
-    )  # fmt: skip
+    common = {"kind": attn.kind, "field": attn.field_mode or "walk", "group": group, "layout": layout}
+    if mode == "ulysses":
+        o = ulysses_attention(q, k, v, u, **common, block_size=attn.cfg.block_size, impl=attn.cfg.impl)
+    elif mode == "ring":
+        o = context_parallel_attention(q, k, v, u, **common, block_size=attn.cfg.block_size)
+    else:
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {SP_MODES}")
     return attn.output(o, x)
 
 
-def enable_sequence_parallel(model: torch.nn.Module, group: Any, *, layout: str = "zigzag") -> int:
+def enable_sequence_parallel(
+    model: torch.nn.Module, group: Any, *, layout: str = "zigzag", mode: str = "ring"
+) -> int:
     """Make every Attention layer of `model` attend across `group` (None switches back); returns the count.
 
+    mode "ring" (context_parallel_attention, default) or "ulysses" (all-to-all over heads).
     The model's forward then takes this rank's tokens (shard_batch) and returns this rank's logits; use
     sequence_parallel_cross_entropy for the loss. Layers see the group through Attention.sp_group.
     """
     from fpa_model.attention import Attention
 
     _check_layout(layout)
+    if mode not in SP_MODES:
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {SP_MODES}")
     if not hasattr(Attention, "sp_group"):
         raise RuntimeError(
             "fpa_model.attention.Attention has no sp_group hook; sequence parallelism needs it"
@@ -636,5 +753,6 @@ def enable_sequence_parallel(model: torch.nn.Module, group: Any, *, layout: str 
         if isinstance(m, Attention):
             m.sp_group = group
             m.sp_layout = layout
+            m.sp_mode = mode
             n += 1
     return n

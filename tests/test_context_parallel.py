@@ -25,6 +25,7 @@ from fpa_model.context_parallel import (
     make_groups,
     shard_batch,
     shard_sequence,
+    ulysses_attention,
     unshard_sequence,
 )
 from fpa_model.ops.fpa.naive import fpa_attention_naive
@@ -35,20 +36,21 @@ BLOCK = 5  # smaller than a chunk and not dividing it: exercises the chunked pat
 FIELD_CASES = [("fpa", f) for f in ("walk", "gate", "direct")] + [
     ("fox", f) for f in ("walk", "gate", "direct")
 ]
-CASES = [
-    (layout, kind, field)
-    for layout in ("zigzag", "contiguous")
-    for kind, field in [*FIELD_CASES, ("softmax", "walk")]
-]
+ALL_KINDS = [*FIELD_CASES, ("softmax", "walk")]
+CASES = (
+    [("ring", layout, kind, field) for layout in ("zigzag", "contiguous") for kind, field in ALL_KINDS]
+    + [("ulysses", "zigzag", kind, field) for kind, field in ALL_KINDS]
+    + [("ulysses", "contiguous", "fpa", "walk")]
+)
 
 
-def _case_id(world: int, layout: str, kind: str, field: str) -> str:
-    return f"W{world}-{layout}-{kind}-{field if kind != 'softmax' else 'nofield'}"
+def _case_id(world: int, mode: str, layout: str, kind: str, field: str) -> str:
+    return f"W{world}-{mode}-{layout}-{kind}-{field if kind != 'softmax' else 'nofield'}"
 
 
 def _make_inputs(kind: str, field: str, seed: int, seq: int = SEQ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    b, h, d = 2, 2, 8
+    b, h, d = 2, 4, 8  # 4 heads: Ulysses splits heads over up to 4 ranks
     t = {
         name: torch.randn(b, h, seq, d, generator=g, dtype=torch.float64) for name in ("q", "k", "v", "dout")
     }
@@ -77,7 +79,9 @@ def _reference(t: dict[str, torch.Tensor], kind: str, field: str) -> dict[str, t
     return res
 
 
-def _run_case(rank: int, world: int, layout: str, kind: str, field: str, seed: int) -> dict[str, float]:
+def _run_case(
+    rank: int, world: int, mode: str, layout: str, kind: str, field: str, seed: int
+) -> dict[str, float]:
     t = _make_inputs(kind, field, seed)
     ref = _reference(t, kind, field)
     loc = {
@@ -86,7 +90,8 @@ def _run_case(rank: int, world: int, layout: str, kind: str, field: str, seed: i
     }
     leaves = {n: loc[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
     u = None if kind == "softmax" else _field_of(leaves["pre"], field)
-    out = context_parallel_attention(
+    attention = context_parallel_attention if mode == "ring" else ulysses_attention
+    out = attention(
         leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field=field, group=None, block_size=BLOCK,
         layout=layout,
     )  # fmt: skip
@@ -160,10 +165,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, extra: list[str
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     results: dict[str, object] = {}
-    for i, (layout, kind, field) in enumerate(CASES):
-        cid = _case_id(world, layout, kind, field)
+    for i, case in enumerate(CASES):
+        cid = _case_id(world, *case)
         try:
-            results[cid] = _run_case(rank, world, layout, kind, field, seed=100 + i)
+            results[cid] = _run_case(rank, world, *case, seed=100 + i)
         except Exception:  # recorded per case so one failure does not hide the others
             results[cid] = {"error": traceback.format_exc(limit=4)}
     if world == 4:
@@ -218,9 +223,11 @@ def _max_errors(results: list[dict], cid: str) -> dict[str, float]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("layout", "kind", "field"), CASES, ids=[f"{a}-{b}-{c}" for a, b, c in CASES])
-def test_ring_matches_single_process(world: int, layout: str, kind: str, field: str, tmp_root: Path) -> None:
-    errs = _max_errors(_spawn(world, tmp_root, _extras(world)), _case_id(world, layout, kind, field))
+@pytest.mark.parametrize(("mode", "layout", "kind", "field"), CASES, ids=["-".join(c) for c in CASES])
+def test_sequence_parallel_matches_single_process(
+    world: int, mode: str, layout: str, kind: str, field: str, tmp_root: Path
+) -> None:
+    errs = _max_errors(_spawn(world, tmp_root, _extras(world)), _case_id(world, mode, layout, kind, field))
     expected = {"out", "dq", "dk", "dv"} | (set() if kind == "softmax" else {"dpre"})
     assert set(errs) == expected
     bad = {k: v for k, v in errs.items() if not v < TOL}
@@ -305,6 +312,8 @@ def test_not_divisible_is_a_clear_error() -> None:
 
 
 def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        ulysses_attention(*[torch.zeros(1, 1, 8, 4)] * 3, torch.zeros(1, 1, 8), kind="linear")
     q = torch.zeros(1, 1, 8, 4)
     with pytest.raises(ValueError, match="needs the field"):
         context_parallel_attention(q, q, q, None, kind="fpa")
@@ -315,9 +324,9 @@ def test_bad_arguments() -> None:
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize(("kind", "field"), [*FIELD_CASES, ("softmax", "walk")])
+@pytest.mark.parametrize(("kind", "field"), ALL_KINDS)
 def test_single_process_matches_oracle(kind: str, field: str, layout: str) -> None:
     """world 1 (no torch.distributed): the diagonal and cross blocks of one rank's two zigzag chunks."""
-    errs = _run_case(0, 1, layout, kind, field, seed=7)
+    errs = _run_case(0, 1, "ring", layout, kind, field, seed=7)
     bad = {k: v for k, v in errs.items() if not v < TOL}
     assert not bad, f"relative errors over {TOL}: {bad}"
