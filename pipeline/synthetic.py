@@ -187,7 +187,9 @@ class SynthConfig:
     n_head: int = 1  # head dim = d_model / n_head, the same for every kind
     batch: int = 64
     steps: int = 800
-    lr: float = 1e-2
+    # 3e-2: FPA converges about twice as fast as at 1e-2; FoX / softmax plateau at the same accuracy for
+    # lr in {3e-3, 3e-2} and up to 1500 steps (measured), so the common lr does not favour FPA.
+    lr: float = 3e-2
     warmup: int = 30
     weight_decay: float = 0.0
     eval_every: int = 50
@@ -457,7 +459,7 @@ def run_synthetic(
             raise ValueError(f"unknown synthetic kind {k!r}; expected one of {', '.join(KINDS)}")
     cfg = cfg or SynthConfig()
     if quick:
-        cfg = SynthConfig(**{**asdict(cfg), "steps": 150, "eval_sequences": 128, "eval_every": 50})
+        cfg = SynthConfig(**{**asdict(cfg), "steps": 250, "eval_sequences": 128, "eval_every": 50})
     if steps is not None:
         cfg = SynthConfig(**{**asdict(cfg), "steps": steps})
     out_dir = Path(out_dir)
@@ -630,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke version")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
-    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds 0..N-1 (default 3; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run")
     p.add_argument("--lr", type=float, default=SynthConfig.lr)
     p.add_argument("--seq-len", type=int, default=SynthConfig.seq_len)
@@ -638,6 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n-head", type=int, default=SynthConfig.n_head)
     p.add_argument("--impl", default=SynthConfig.impl, choices=("auto", "naive", "chunked"))
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a.seeds is None:
+        a.seeds = 1 if a.quick else 3
     if a.seeds < 1:
         p.error(f"--seeds must be >= 1; got {a.seeds}")
     if a.d_model % a.n_head:
