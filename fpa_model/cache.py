@@ -30,7 +30,7 @@ Softmax never evicts. With eviction off, decoding reproduces the full forward pa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -241,7 +241,6 @@ class KVCache:
 
     layers: list[LayerCache]
     seen: int = 0
-    stats: dict = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: EvictionPolicy | None = None) -> KVCache:
@@ -256,19 +255,6 @@ class KVCache:
     def capacity(self) -> list[int]:
         """Slots allocated per (batch, head) in each layer."""
         return [lc.capacity for lc in self.layers]
-
-
-def policy_from_config(
-    cache_cfg: object, *, max_tokens: int | None = None, enabled: bool | None = None
-) -> EvictionPolicy:
-    """An EvictionPolicy from a CacheConfig section (evict, delta, margin, norm_slack)."""
-    return EvictionPolicy(
-        enabled=bool(cache_cfg.evict) if enabled is None else enabled,  # type: ignore[attr-defined]
-        delta=cache_cfg.delta,  # type: ignore[attr-defined]
-        margin=float(cache_cfg.margin),  # type: ignore[attr-defined]
-        norm_slack=float(getattr(cache_cfg, "norm_slack", 1.25)),
-        max_tokens=max_tokens,
-    )
 
 
 # ----------------------------------------------------------------------------------------------------
