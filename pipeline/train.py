@@ -282,14 +282,18 @@ def _discard_step(engine: Any) -> None:
 def evaluate(
     engine: Any, cfg: RunConfig, make_loader: LoaderFactory, dp_rank: int, dp_world: int, device: torch.device
 ) -> float:
-    """Mean validation loss over train.val_batches micro batches per rank (the same batches every time)."""
+    """Mean validation loss over train.val_batches global batches (the same sequences every time).
+
+    Each rank takes val_batches * grad_accum micro batches, so the sequences covered (the first
+    val_batches * global_batch of the split) do not depend on the number of ranks.
+    """
     loader = make_loader(cfg, "validation", dp_rank, dp_world)
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
     try:
         # One pass in stored order where offered (ShardLoader.iter_once); the training state is untouched.
         it = loader.iter_once() if hasattr(loader, "iter_once") else iter(loader)
-        for _ in range(cfg.train.val_batches):
+        for _ in range(cfg.train.val_batches * cfg.train.grad_accum):
             try:
                 batch = next(it)
             except StopIteration:

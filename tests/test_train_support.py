@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -121,7 +122,10 @@ def run_training(
     """Train in fresh processes (torchrun for nproc > 1, plain python for 1), cwd = repo root."""
     script = str(Path(__file__).resolve())
     if nproc > 1:
-        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", "0", script]
+        with socket.socket() as sock:  # torchrun's static rendezvous does not accept port 0
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port), script]
     else:
         cmd = [sys.executable, script]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
