@@ -5,6 +5,7 @@
 #   launch/slurm/local_cluster.sh status [DIR]   print daemon PIDs and `sinfo`; exit 1 if not up
 #   launch/slurm/local_cluster.sh down   [DIR]   cancel all jobs, stop the daemons this script started
 #
+# Exit status: 0 ok, 1 error, 3 the packages are missing and cannot be installed (tests skip on 3).
 # DIR (default $FPA_SLURM_DIR or /tmp/fpa-slurm) holds etc/slurm.conf, state/, spool/, log/ and pids/.
 # Clients find the cluster through SLURM_CONF: `source DIR/env.sh` (or export SLURM_CONF=DIR/etc/slurm.conf).
 # Needs root (SlurmUser=root, munged runs as user munge). No systemd: daemons are started directly and
@@ -22,6 +23,7 @@ pids="$dir/pids"
 
 log() { echo "local_cluster: $*" >&2; }
 die() { log "error: $*"; exit 1; }
+no_packages() { log "error: $*"; exit 3; } # exit 3: the Slurm packages cannot be installed here
 
 alive() { # alive PIDFILE: the process recorded there is running
     [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null
@@ -34,15 +36,15 @@ install_packages() {
     command -v slurmd >/dev/null || [[ -x /usr/sbin/slurmd ]] || missing+=(slurmd)
     command -v sbatch >/dev/null || missing+=(slurm-client)
     ((${#missing[@]} == 0)) && return 0
-    command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get to install them"
+    command -v apt-get >/dev/null || no_packages "missing ${missing[*]} and no apt-get to install them"
     log "installing ${missing[*]}"
     # `apt-get update` once per boot: the marker lives in /tmp.
     if [[ ! -e /tmp/.fpa-slurm-apt-updated ]]; then
-        apt-get update -qq >"$dir/log/apt.log" 2>&1 || die "apt-get update failed (see $dir/log/apt.log)"
+        apt-get update -qq >"$dir/log/apt.log" 2>&1 || no_packages "apt-get update failed (see $dir/log/apt.log)"
         touch /tmp/.fpa-slurm-apt-updated
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
-        >>"$dir/log/apt.log" 2>&1 || die "apt-get install ${missing[*]} failed (see $dir/log/apt.log)"
+        >>"$dir/log/apt.log" 2>&1 || no_packages "apt-get install ${missing[*]} failed (see $dir/log/apt.log)"
 }
 
 start_munge() {

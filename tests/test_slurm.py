@@ -1,0 +1,361 @@
+"""Slurm launching on a REAL single-node Slurm cluster (launch/slurm/local_cluster.sh; needs root and the
+Debian packages munge, slurmctld, slurmd, slurm-client, installed by the script when missing).
+
+- the time-limit warning (--signal=USR1@N) reaches the training workers while torchrun survives it, the
+  job requeues itself and reruns with SLURM_RESTART_COUNT=1; logs land under a hostile run dir
+  (spaces, $(...), %) and nothing in a name is executed (a probe stands in for the trainer here);
+- `launch_slurm` submits prepare -> train -> eval with afterok; the real trainer runs as 2 torchrun
+  agents meeting at a c10d rendezvous, gets USR1 mid-run, checkpoints, requeues itself and resumes from
+  that checkpoint; eval runs only after the requeued train job succeeded;
+- a 2-element sweep runs as one job array on a shared prepared dataset and `collect_sweep` tabulates it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from launch import slurm as sl
+from launch.sweep import collect_sweep, expand_sweep, run_sweep
+from pipeline.config import load_config
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+
+# A run small enough for seconds on 2 cores: 60 KJV verses, 512-token BPE, a 2-layer d=32 model.
+FAST_YAML = """
+name: fast
+model: {n_layer: 2, n_head: 2, d_model: 32, attention: {impl: naive}}
+data:
+  train: {type: packaged, name: kjv, max_docs: 60}
+  validation: null
+  val_fraction: 0.25
+  tokenizer: {vocab_size: 512}
+  seq_len: 64
+  sequences_per_member: 16
+  sequences_per_shard: 64
+  num_workers: 1
+train:
+  micro_batch: 2
+  max_steps: 6
+  warmup_steps: 1
+  log_every: 1
+  val_every: 1000
+  val_batches: 2
+  checkpoint: {every: 2, keep_last: 2}
+eval:
+  passkey: {length_multipliers: [1], depths: [0.5], trials: 1}
+  ppl_length_multipliers: [1, 2]
+  ppl_bucket: 32
+  ppl_sequences: 2
+logging: {wandb_mode: disabled, progress: false}
+slurm: {cpus_per_task: 1, rdzv_timeout: 120}
+"""
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 60000:
+            continue
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports")
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A running single-node cluster; SLURM_CONF points at it for the whole session."""
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (SlurmUser=root, munged as user munge)")
+    state = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "FPA_SLURM_PORT": str(_free_port_pair()), "FPA_SLURM_CPUS": "8"}
+    up = subprocess.run(["bash", str(CLUSTER), "up", str(state)], env=env, capture_output=True, text=True)
+    if up.returncode == 3:
+        pytest.skip(f"Slurm packages cannot be installed here: {up.stderr.strip().splitlines()[-1]}")
+    if up.returncode != 0:
+        logs = "".join(p.read_text()[-1500:] for p in sorted((state / "log").glob("slurm*.log")))
+        pytest.fail(f"local Slurm cluster did not come up:\n{up.stderr}\n{logs}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(state / "etc" / "slurm.conf")
+    try:
+        yield state
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "down", str(state)], env=env, capture_output=True)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def job_records(job_id: str) -> list[dict[str, str]]:
+    """`scontrol show job` as dicts (one per array element), [] once the job is gone."""
+    proc = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    out = []
+    for line in proc.stdout.splitlines():
+        out.append(dict(re.findall(r"(\w+)=(\S*)", line)))
+    return out
+
+
+def wait_until(
+    what: str, predicate, timeout: float, logs: list[Path] = (), job: str | None = None, poll: float = 0.25
+):
+    """Poll `predicate` until it is true; fail with the job logs on timeout or if `job` ends first."""
+    deadline = time.monotonic() + timeout
+    problem = f"timed out after {timeout:.0f} s"
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if job is not None and any(r.get("JobState") in TERMINAL for r in job_records(job)):
+            problem = f"job {job} ended ({job_records(job)[0].get('JobState')})"
+            break
+        time.sleep(poll)
+    tails = "\n".join(f"--- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    queue = subprocess.run(["squeue"], capture_output=True, text=True).stdout
+    pytest.fail(f"{problem} waiting for {what}\n{queue}\n{tails}")
+
+
+def wait_done(job_id: str, timeout: float, logs: list[Path] = ()) -> list[dict[str, str]]:
+    def done():
+        recs = job_records(job_id)
+        return recs if recs and all(r.get("JobState") in TERMINAL for r in recs) else None
+
+    return wait_until(f"job {job_id} to finish", done, timeout, logs)
+
+
+def release_requeued(job_id: str, restarts: int, timeout: float, logs: list[Path] = ()) -> None:
+    """Slurm holds a requeued job for about two minutes (BeginTime); let it start again at once."""
+
+    def requeued():
+        recs = job_records(job_id)
+        return recs and recs[0].get("JobState") == "PENDING" and recs[0].get("Restarts") == str(restarts)
+
+    wait_until(f"job {job_id} to be requeued", requeued, timeout, logs)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+
+def assert_completed(records: list[dict[str, str]], logs: list[Path]) -> None:
+    bad = [r for r in records if r.get("JobState") != "COMPLETED"]
+    if bad:
+        tails = "\n".join(f"--- {p}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+        pytest.fail(f"jobs not COMPLETED: {[(r['JobId'], r['JobState']) for r in bad]}\n{tails}")
+
+
+def stage_logs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "slurm").glob("*.out")) + sorted((run_dir / "slurm").glob("*.err"))
+
+
+@pytest.fixture(scope="module")
+def fast_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "fast.yaml"
+    path.write_text(FAST_YAML)
+    return path
+
+
+# -- the time-limit signal path, with a probe in place of the trainer -------------------------------
+
+PROBE = r"""
+import os, signal, subprocess, sys, time
+out, rank = sys.argv[1], os.environ["RANK"]
+attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+parent = os.getppid()
+def mark(what):
+    with open(os.path.join(out, f"{what}.r{rank}.a{attempt}"), "w") as f:
+        f.write(os.environ.get("WORLD_SIZE", "?"))
+def on_usr1(sig, frame):
+    mark("usr1")
+    time.sleep(0.5)
+    try:  # torchrun (our parent) must have survived the same signal
+        os.kill(parent, 0)
+        mark("parent_alive")
+    except OSError:
+        pass
+    if rank == "0":  # what the trainer does after its checkpoint
+        time.sleep(1.0)
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+    time.sleep(30)
+signal.signal(signal.SIGUSR1, on_usr1)
+mark("start")
+if attempt != "0":
+    sys.exit(0)
+time.sleep(120)
+sys.exit(3)  # the signal never came
+"""
+
+
+@pytest.mark.slow
+def test_time_limit_usr1_reaches_workers_requeues_and_reruns(cluster: Path, tmp_path: Path) -> None:
+    pwn = tmp_path / "PWNED"
+    runs = tmp_path / f"runs 50% $(touch {pwn})"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    over = [
+        f"runs_dir={runs}",
+        f"name=p b$(touch {pwn})'%j",
+        "slurm.tasks_per_node=2",  # two torchrun agents: a two-"node" c10d rendezvous on one machine
+        "slurm.nproc_per_node=1",
+        "slurm.cpus_per_task=1",
+        "slurm.time=1:00",  # one minute ...
+        "slurm.signal_seconds=59",  # ... and USR1 59 s before its end (Slurm checks about every 30 s)
+    ]
+    cfg = load_config([], over)
+    script = sl.render_sbatch(cfg, [], over, "train")
+    assert script.count("-m pipeline.cli train ") == 1
+    script = script.replace("-m pipeline.cli train ", f"{probe} {marks} ")  # the probe, same launch
+    path = tmp_path / "train.sbatch"
+    path.write_text(script)
+    log_dir = cfg.run_dir / "slurm"
+    log_dir.mkdir(parents=True)  # sbatch does not create it (launch_slurm does)
+    job = sl.sbatch_submit(path)
+    logs = [log_dir / f"train-{job}.out", log_dir / f"train-{job}.err"]
+
+    wait_until("USR1 in both workers", lambda: len(list(marks.glob("usr1.*"))) == 2, 75, logs, job)
+    release_requeued(job, 1, 30, logs)
+    assert_completed(wait_done(job, 60, logs), logs)
+
+    got = sorted(p.name for p in marks.iterdir())
+    assert got == [
+        "parent_alive.r0.a0",
+        "parent_alive.r1.a0",
+        "start.r0.a0",
+        "start.r0.a1",
+        "start.r1.a0",
+        "start.r1.a1",
+        "usr1.r0.a0",
+        "usr1.r1.a0",
+    ]
+    assert all((marks / n).read_text() == "2" for n in got)  # WORLD_SIZE 2 from the rendezvous
+    out = logs[0].read_text()  # appended across the requeue, at the literal hostile path
+    assert ", restart 0" in out and ", restart 1" in out, out
+    assert not list(tmp_path.glob("PWNED*"))
+
+
+# -- the real pipeline -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_launch_chain_trains_on_two_agents_requeues_resumes_then_evaluates(
+    cluster: Path, fast_yaml: Path, tmp_path: Path
+) -> None:
+    over = [
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=chain",
+        "slurm.tasks_per_node=2",
+        "slurm.nproc_per_node=1",
+        "train.max_steps=120",
+        "train.checkpoint.every=4",
+    ]
+    ids = sl.launch_slurm([str(fast_yaml)], over, dry_run=False)
+    prepare, train, evaluate = ids
+    run_dir = tmp_path / "runs" / "chain"
+    ckpts = run_dir / "checkpoints"
+
+    # Preempt the trainer once it has a checkpoint: the same delivery as the time-limit warning
+    # (slurmctld signals every process of the job's steps; the batch shell is left alone).
+    wait_until(
+        "the first checkpoint", lambda: (ckpts / "global_step4").is_dir(), 120, stage_logs(run_dir), train
+    )
+    subprocess.run(["scancel", "--signal=USR1", train], check=True)
+    release_requeued(train, 1, 60, stage_logs(run_dir))
+    records = {r: wait_done(r, 150, stage_logs(run_dir))[0] for r in ids}
+    assert_completed(list(records.values()), stage_logs(run_dir))
+
+    out = (run_dir / "slurm" / f"train-{train}.out").read_text()
+    assert "train: 2 agents x 1 workers" in out and ", restart 0" in out and ", restart 1" in out
+    m = re.search(r"\[train\] preempted: checkpoint (\S+) written", out)
+    assert m, out
+    preempted_at = int(re.search(r"global_step(\d+)", m.group(1)).group(1))
+    assert 4 <= preempted_at < 120
+    assert f"resumed from {m.group(1)} at step {preempted_at}" in out
+    assert (ckpts / "latest").read_text().strip() == "global_step120"
+    meta = json.loads((ckpts / "global_step120" / "COMPLETE").read_text())
+    assert meta["world_size"] == 2
+    manifest = json.loads((run_dir / "manifests" / "train.json").read_text())
+    assert manifest["status"] == "done" and manifest["result"]["steps"] == 120
+
+    # afterok held eval back through the requeue: it starts only after the second train attempt ended.
+    assert records[evaluate]["StartTime"] >= records[train]["EndTime"]
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert report["run"] == "chain" and isinstance(report["final_val_loss"], float)
+    jobcomp = (cluster / "log" / "jobcomp.txt").read_text()
+    assert re.search(rf"JobId={train} .*JobState=PENDING", jobcomp)  # the requeued first attempt
+
+
+@pytest.mark.slow
+def test_sweep_array_on_shared_data_then_collect(cluster: Path, fast_yaml: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "mini.yaml"
+    sweep.write_text(
+        f"""
+name: mini
+configs: [{fast_yaml}]
+overrides:
+  runs_dir: {tmp_path / "runs"}
+  data.out_dir: {tmp_path / "runs" / "data"}
+  slurm.nproc_per_node: 2   # one torchrun agent with two workers per element
+  slurm.cpus_per_task: 2
+grid:
+  model.attention.kind: [fpa, softmax]
+"""
+    )
+    runs = expand_sweep(sweep)
+    ids = run_sweep(sweep, mode="slurm")
+    assert len(ids) == 2  # one prepare job for the shared data dir, one array
+    sweep_logs = tmp_path / "runs" / "sweeps" / "mini" / "slurm"
+    logs = sorted(sweep_logs.glob("*.out")) + sorted(sweep_logs.glob("*.err"))
+    records = [wait_done(i, 150, logs) for i in ids]
+    elements = records[1]
+    assert sorted(r["ArrayTaskId"] for r in elements) == ["0", "1"]
+    assert_completed(records[0] + elements, sorted(sweep_logs.glob("*.*")))
+
+    for run in runs:
+        manifest = json.loads((run.run_dir / "manifests" / "train.json").read_text())
+        assert manifest["status"] == "done" and manifest["inputs"]["world_size"] == 2
+        assert not (run.run_dir / "data").exists()  # the shared copy was used
+    out = collect_sweep(sweep)
+    rows = (out / "results.csv").read_text().splitlines()
+    assert [r.split(",")[:2] for r in rows[1:]] == [[runs[0].name, "fpa"], [runs[1].name, "softmax"]]
+    for row in rows[1:]:
+        cells = row.split(",")
+        assert cells[-1] == "ok" and float(cells[2]) > 0  # final_val_loss
+    assert "| mini.kind-fpa |" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
+
+
+def test_cluster_script_status_reports_the_daemons(cluster: Path) -> None:
+    proc = subprocess.run(["bash", str(CLUSTER), "status", str(cluster)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"slurmctld: running \(pid \d+\)", proc.stdout)
+    assert re.search(r"slurmd: running \(pid \d+\)", proc.stdout)
+    assert "idle" in proc.stdout or "mix" in proc.stdout or "alloc" in proc.stdout
