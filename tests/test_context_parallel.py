@@ -330,3 +330,21 @@ def test_single_process_matches_oracle(kind: str, field: str, layout: str) -> No
     errs = _run_case(0, 1, "ring", layout, kind, field, seed=7)
     bad = {k: v for k, v in errs.items() if not v < TOL}
     assert not bad, f"relative errors over {TOL}: {bad}"
+
+
+def test_bf16_inputs_keep_dtype_and_track_fp32() -> None:
+    """bf16 q/k/v (the training precision): outputs and gradients in bf16, close to the fp32 oracle."""
+    t = _make_inputs("fpa", "walk", seed=3, seq=32)
+    lo = {n: t[n].to(torch.bfloat16) for n in ("q", "k", "v")}
+    leaves = {n: x.clone().requires_grad_() for n, x in lo.items()}
+    u = t["pre"].float().requires_grad_()
+    out = context_parallel_attention(leaves["q"], leaves["k"], leaves["v"], u, kind="fpa", block_size=8)
+    out.backward(t["dout"].to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and leaves["q"].grad.dtype == torch.bfloat16
+    ref = _reference(
+        {**{n: x.double() for n, x in lo.items()}, "pre": t["pre"], "dout": t["dout"]}, "fpa", "walk"
+    )
+    got = {"out": out, "dq": leaves["q"].grad, "dk": leaves["k"].grad, "dv": leaves["v"].grad, "dpre": u.grad}
+    for name, r in ref.items():
+        err = float((got[name].detach().double() - r).abs().max() / r.abs().max())
+        assert err < 3e-2, f"{name}: relative error {err:.2e}"
