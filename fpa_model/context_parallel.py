@@ -31,8 +31,12 @@ the owner after W hops. The gradient that reaches M (one scalar per pair, batch 
 per-chunk totals of dphi, which the reverse scan of walk/gate fields needs) returns it to the rank that
 owns the argmin token. du = reverse cumsum of dphi inside the chunk + the sum of dphi over all later chunks.
 
+Tiles. A chunk pair is processed `block_size` query rows at a time (the workspace is block_size x chunk
+per batch and head, never chunk x chunk): rows [s, e) of a query chunk see P restarted at s, so the min of
+phi over the rows before s is folded into that tile's M and its gradient routed to that prefix argmin.
+
 Ties follow the chunked path's rule (lowest index wins): chunk minima use the first argmin inside a chunk,
-and M's argmin is the lowest chunk among equal minima.
+M's argmin is the lowest chunk among equal minima, and M beats the query prefix it is folded with.
 
 Works with any torch.distributed backend that has all_gather, all_reduce and batch_isend_irecv (gloo on
 CPU, NCCL on GPU). The group's ranks must all pass tensors of the same shape.
@@ -52,8 +56,8 @@ from torch import Tensor
 from fpa_model.ops.fpa.naive import KINDS
 
 LAYOUTS = ("zigzag", "contiguous")
-_OPS: Any = None  # the chunked path's block functions, imported on first use
 FIELDS = ("walk", "gate", "direct")
+_OPS: Any = None  # fpa_model.ops.fpa.chunked (the block functions), imported on first use
 
 # ----------------------------------------------------------------------------------------------------
 # Layout: which chunks of the sequence a rank holds
@@ -222,16 +226,12 @@ class _Ring:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.next = (
-            dist.get_global_rank(group, (self.rank + 1) % self.world)
-            if group
-            else (self.rank + 1) % self.world
-        )
-        self.prev = (
-            dist.get_global_rank(group, (self.rank - 1) % self.world)
-            if group
-            else (self.rank - 1) % self.world
-        )
+        # P2P ops address peers by global rank.
+        self.next = self._global((self.rank + 1) % self.world)
+        self.prev = self._global((self.rank - 1) % self.world)
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def start(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Any]]:
         """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
@@ -285,7 +285,7 @@ def _all_gather_chunks(x: Tensor, group: Any, world: int, layout: str) -> Tensor
     return out
 
 
-def _between_min(minima: Tensor, b: int, a: int) -> tuple[Tensor, int | Tensor | None]:
+def _between_min(minima: Tensor, b: int, a: int) -> tuple[Tensor, Tensor | None]:
     """M = min of the chunk minima strictly between chunks b < a, and the chunk holding it (per B, H)."""
     if a - b <= 1:
         return torch.full_like(minima[0], math.inf), None
@@ -581,9 +581,12 @@ def context_parallel_attention(
     None (or ignored) for kind "softmax". Returns this rank's output (B, H, T/W, D) in q's dtype, equal
     to the single-process attention over the whole sequence. Differentiable w.r.t. q, k, v and u_or_phi.
     group None: the default world group (or a single process without torch.distributed).
+    block_size: query rows per tile (workspace B x H x block_size x T/(2W) floats per temporary).
+    T must be divisible by 2W (zigzag) or W (contiguous); every rank must pass the same shapes.
+    Per-pair math runs on the chunked path's PyTorch building blocks on any device (not the Triton kernel).
     """
     u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)
-    rank, world = _group_info(group)
+    _, world = _group_info(group)
     n_local = num_chunks(world, layout) // world
     if q.shape[-2] % n_local:
         raise ValueError(
