@@ -164,6 +164,88 @@ def _range_min_diag(
     return r, torch.cummin(rec.flip(-1), dim=-1).values.flip(-1)
 
 
+# Sub-block size of the two-level diagonal: a diagonal tile of L = n * _SUB positions gets its range
+# minima from the same prefix/suffix/between decomposition as the cross tiles, at sub-block granularity;
+# only the _SUB x _SUB sub-diagonal pieces use the direct (cummin) range min. This keeps the L x L work
+# to a few elementwise passes instead of a cummin, two flips and an L^2 scatter.
+_SUB = 16
+
+
+class _DiagField:
+    """fpa bias and gradient routing for square causal tiles of size L (a multiple of _SUB, > _SUB).
+
+    Tile entries are viewed as (N, a, i', b, j'): query sub-block a, key sub-block b. For b < a the bias
+    is min(P_i, S_j, M_ab) - phi_j (P, S inside the sub-blocks, M_ab = min of the sub-blocks strictly
+    between); for b == a it is the direct range min; b > a is the future (-inf). Ties: S, then M, then P,
+    then lowest index inside each: the module's tie rule."""
+
+    def __init__(self, phi: torch.Tensor, with_arg: bool) -> None:
+        n, length = phi.shape
+        sb = _SUB
+        nsb = length // sb
+        self.n, self.sb, self.nsb = n, sb, nsb
+        ph = phi.view(n, nsb, sb)
+        self.p_min, self.arg_p = prefix_min(ph)
+        self.s_min, self.arg_s = suffix_min(ph)
+        bmin = self.s_min[..., 0]  # (n, nsb)
+        # M[a, b] = min over sub-blocks t with b < t < a: a suffix min (over t > b) of z[a, t] = bmin[t]
+        # for t < a, +inf otherwise. Its lowest argmin names the sub-block; bargmin the position in it.
+        t = torch.arange(nsb, device=phi.device)
+        z = bmin.unsqueeze(-2).masked_fill(t[None, :] >= t[:, None], _INF)  # (n, a, t)
+        zs, zarg = suffix_min(z)
+        m = torch.full_like(zs, _INF)
+        m[..., :-1] = zs[..., 1:]
+        # Same and future sub-blocks: -inf makes min(P, S, M) -inf (masked) and keeps S from "winning".
+        m.masked_fill_(t[None, :] >= t[:, None], -_INF)
+        self.m = m  # (n, a, b)
+        self.lower = (t[None, :] < t[:, None]).to(phi.dtype)  # b < a
+        if with_arg:
+            bargmin = self.arg_s[..., 0] + t * sb  # (n, nsb) position inside the tile
+            zarg_next = torch.zeros_like(zarg)
+            zarg_next[..., :-1] = zarg[..., 1:]
+            self.m_arg = torch.gather(bargmin, 1, zarg_next.flatten(1)).view(n, nsb, nsb)
+        # Direct range min inside each sub-block (BIG above its diagonal, then -inf there).
+        big, neg = _causal_masks(sb, sb, phi)
+        r, self.r_arg = _range_min_diag(ph.reshape(n * nsb, sb), big, with_arg)
+        self.r = (r + neg).view(n, nsb, sb, sb)
+        self.pm = torch.minimum(self.p_min.unsqueeze(-1), self.m.unsqueeze(-2)).unsqueeze(-1)  # (n,a,i',b,1)
+
+    def bias_into(self, buf: torch.Tensor) -> torch.Tensor:
+        """Writes the (N, L, L) bias (without -phi_j, which rides in the matmul) into buf."""
+        n, nsb, sb = self.n, self.nsb, self.sb
+        b5 = buf.view(n, nsb, sb, nsb, sb)
+        torch.minimum(self.pm, self.s_min.view(n, 1, 1, nsb, sb), out=b5)
+        torch.diagonal(b5, 0, 1, 3).copy_(self.r.permute(0, 2, 3, 1))
+        return buf
+
+    def route(self, ds: torch.Tensor, buf_w: torch.Tensor | None = None) -> torch.Tensor:
+        """d phi (N, L) of sum_ij ds_ij * b_ij, excluding nothing (the -phi_j term included)."""
+        n, nsb, sb = self.n, self.nsb, self.sb
+        ds5 = ds.view(n, nsb, sb, nsb, sb)
+        dphi = ds.sum(dim=-2).neg_()  # the -phi_j term
+        w = _new_buf(buf_w, *ds.shape, ds).view(n, nsb, sb, nsb, sb)
+        torch.le(self.s_min.view(n, 1, 1, nsb, sb), self.pm, out=w)  # S wins (only where b < a)
+        ds_s = w.mul_(ds5)
+        col_s = ds_s.sum(dim=(1, 2))  # (n, b, j')
+        rest = (ds5.sum(dim=-1) - ds_s.sum(dim=-1)).mul_(self.lower.unsqueeze(-2))  # (n, a, i', b)
+        m_wins = self.m.unsqueeze(-2) <= self.p_min.unsqueeze(-1)  # (n, a, i', b)
+        d_m = torch.where(m_wins, rest, 0.0).sum(dim=2)  # (n, a, b)
+        d_p = torch.where(m_wins, 0.0, rest).sum(dim=-1)  # (n, a, i')
+        out = dphi.view(n, nsb, sb)
+        out.scatter_add_(-1, self.arg_s, col_s)
+        out.scatter_add_(-1, self.arg_p, d_p)
+        dphi.scatter_add_(-1, self.m_arg.flatten(1), d_m.flatten(1))
+        # Sub-diagonal pieces: direct argmin routing.
+        dd = torch.diagonal(ds5, 0, 1, 3).permute(0, 3, 1, 2).reshape(n * nsb, sb * sb)
+        out.view(n * nsb, sb).scatter_add_(-1, self.r_arg.flatten(-2), dd)
+        return dphi
+
+
+def _two_level(phi: torch.Tensor | None, lq: int) -> bool:
+    length = phi.shape[-1]
+    return lq == length and length % _SUB == 0 and length > _SUB
+
+
 # ----------------------------------------------------------------------------------------------------
 # Tile cores, on 3-D operands (N, L, D) where N is any flattened batch (B*H, or tiles x B*H).
 # They see "augmented" operands so the per-row and per-column bias terms ride along in the matmul's
@@ -210,11 +292,15 @@ def _cross_scores(qa, ka, row, s_min, buf=None):
 
 
 def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
-    """Causal scores of diagonal tiles (-inf above the diagonal) and, for fpa, the range argmin."""
+    """Causal scores of diagonal tiles (-inf above the diagonal) and, for fpa, the routing info:
+    a _DiagField (square tiles) or the direct lowest-index range argmin (N, Lq, Lk)."""
     big, neg = masks
     buf = _new_buf(buf, qa.shape[0], qa.shape[1], ka.shape[1], qa)
     if kind != "fpa":
         return torch.baddbmm(neg, qa, ka.transpose(1, 2), out=buf), None
+    if _two_level(phi, qa.shape[1]):
+        field = _DiagField(phi, with_arg)
+        return field.bias_into(buf).baddbmm_(qa, ka.transpose(1, 2)), field
     r, arg = _range_min_diag(phi, big, with_arg)
     torch.add(r, neg, out=buf)  # BIG + -inf = -inf above the diagonal
     return buf.baddbmm_(qa, ka.transpose(1, 2)), arg
@@ -262,8 +348,10 @@ def _route_cross(ds, row, s_min, arg_s, p_min, arg_p, m_between, buf_w=None):
     return dphi_q, dphi_k, dm
 
 
-def _route_diag(ds, arg, kind):
+def _route_diag(ds, arg, kind, buf_w=None):
     """Field gradient of diagonal tiles: (N, Lk)."""
+    if isinstance(arg, _DiagField):
+        return arg.route(ds, buf_w)
     dphi = ds.sum(dim=-2).neg_()
     if kind == "fpa":
         dphi.scatter_add_(-1, arg.flatten(-2), ds.flatten(-2))
@@ -665,7 +753,7 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
             _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n],
         )  # fmt: skip
         if dphi is not None:
-            _f(dphi[ki]).add_(_route_diag(ds, arg, kind))
+            _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
     field = _Field(x.phi, plan) if kind == "fpa" else None
     dphi_m = (
         torch.zeros(plan.bh, plan.n_blk * plan.bs, dtype=x.qs.dtype, device=x.qs.device)
