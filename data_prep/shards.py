@@ -71,10 +71,25 @@ def tokenize_stream(
     eod: int,
     dtype: str,
     batch_docs: int = 2048,
-    batch_chars: int = 16 << 20,
+    batch_chars: int = 1 << 20,
     prefetch: int = 2,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, tokens) per batch, tokenized in a producer thread ahead of the consumer."""
+    """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them.
+
+    Reading (Python: JSON parsing, decoding) overlaps the previous batch's encode_batch, which releases
+    the GIL; the consumer packs and writes meanwhile. Batches of about a million characters keep every
+    core busy while leaving room for that overlap on small corpora.
+    """
+    batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
+    encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
+    return in_thread(encoded, prefetch, "tokenize")
+
+
+def in_thread(items: Iterable[Any], prefetch: int = 2, name: str = "producer") -> Iterator[Any]:
+    """Iterate `items` in a daemon thread, up to `prefetch` ahead; its exceptions re-raise here.
+
+    Closing the returned generator (or an exception in the consumer) stops the thread at its next item.
+    """
     q: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
     stop = threading.Event()
     done = object()
@@ -90,26 +105,34 @@ def tokenize_stream(
 
     def produce() -> None:
         try:
-            for batch in _batches(docs, batch_docs, batch_chars):
-                if not put((len(batch), encode_documents(tok, batch, eod, dtype))):
+            for item in items:
+                if not put(item):
                     return
             put(done)
         except BaseException as e:  # handed to the consumer, which re-raises it with its own traceback
-            put(e)
+            put(_Raised(e))
 
-    worker = threading.Thread(target=produce, name="tokenize", daemon=True)
-    worker.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        worker.join()
+    def consume() -> Iterator[Any]:
+        worker = threading.Thread(target=produce, name=name, daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, _Raised):
+                    raise item.exc
+                yield item
+        finally:
+            stop.set()
+            worker.join()
+
+    return consume()
+
+
+@dataclass
+class _Raised:
+    exc: BaseException
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -243,6 +243,18 @@ def test_failure_midway_keeps_previous_output(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "d"]  # no temp dir left
 
 
+def test_bad_record_deep_in_the_stream_is_reported(tmp_path: Path, prepared) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", 300)
+    with open(corpus, "a") as f:
+        f.write('{"text": "fine"}\n{"text": broken\n')
+    # an existing tokenizer and small batches: the error surfaces in the reader thread after many batches
+    tokenizer = TokenizerConfig(path=str(prepared[1] / "tokenizer.json"))
+    cfg = small_cfg(corpus, tokenizer=tokenizer, tokenize_batch_docs=16, val_fraction=0.0)
+    with pytest.raises(DataError, match=r"c\.jsonl:302: not valid JSON"):
+        prepare_data(cfg, tmp_path / "d", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
 def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
     out = tmp_path / "mine"
     out.mkdir()
