@@ -43,7 +43,8 @@ _PASSKEY_SEED_SALT = 0x9A55
 def content_config(cfg: DataConfig) -> dict[str, Any]:
     """The config fields that determine the bytes written (not where they go or how many cores)."""
     d = dataclasses.asdict(cfg)
-    for k in ("out_dir", "num_workers", "seed", "shuffle_block"):  # seed/shuffle_block: loader-only
+    # seed/shuffle_block only steer the loader; packing is a stream, so batch sizes change no byte
+    for k in ("out_dir", "num_workers", "seed", "shuffle_block", "tokenize_batch_docs"):
         d.pop(k, None)
     return d
 
