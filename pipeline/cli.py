@@ -74,12 +74,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipeline.checkpoint import latest_checkpoint
+    from pipeline.checkpoint import find_latest
     from pipeline.export import export
     from pipeline.stages import export_dir
 
     cfg = _config(args)
-    ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(cfg.run_dir / "checkpoints")
+    ckpt = Path(args.checkpoint) if args.checkpoint else find_latest(cfg.run_dir / "checkpoints")
     if ckpt is None:
         raise ConfigError(f"no complete checkpoint under {cfg.run_dir / 'checkpoints'}")
     out = export(cfg, ckpt, Path(args.out) if args.out else export_dir(cfg))
@@ -227,14 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [ConfigError, FileNotFoundError]
-    try:
-        from data_prep.errors import DataError
+    """Bad input or a stopped run: reported as one line (anything else is a bug and keeps its traceback)."""
+    from data_prep.errors import DataError
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.export import ExportError
+    from pipeline.train import TrainingError
 
-        errors.append(DataError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (ConfigError, FileNotFoundError, DataError, CheckpointError, ExportError, TrainingError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.fn(args)
-    except _known_errors() as e:
+    except Exception as e:
+        if not isinstance(e, _known_errors()):
+            raise
         # Bad input is the user's to fix: one line, no traceback wall.
         print(f"fpa: error: {e}", file=sys.stderr)
         return 2

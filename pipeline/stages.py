@@ -9,13 +9,12 @@ from __future__ import annotations
 import dataclasses
 import glob
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
+from pipeline.config import ConfigError, RunConfig, derive
 from pipeline.rundir import RunDir, hash_outputs, sha256_file, sha256_json
 
 log = logging.getLogger("fpa")
@@ -56,17 +55,18 @@ def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
 
 
 def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+    # The global batch, not how it is split (micro batch x accumulation x ranks), defines the run: a job
+    # resumed on another number of ranks with the same global batch continues the same training.
     train = _asdict(cfg.train)
-    for volatile in ("log_every", "checkpoint"):
+    for volatile in ("log_every", "checkpoint", "micro_batch", "grad_accum"):
         train.pop(volatile, None)
     index = cfg.data_dir / "index.json"
     return {
         "model": _asdict(cfg.model),
         "train": train,
-        "parallel": _asdict(cfg.parallel),
+        "global_batch": derive(cfg, world_size).global_batch,
         "seed": cfg.seed,
         "data": {"seq_len": cfg.data.seq_len, "seed": cfg.data.seed},
-        "world_size": world_size,
         "index": sha256_file(index) if index.is_file() else "missing",
     }
 
@@ -125,30 +125,28 @@ def _archive_stale_training(run: RunDir, fingerprint: str) -> None:
 def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
     manifest and exports the final weights."""
-    from pipeline.distributed import barrier, dist_info
+    from pipeline.distributed import barrier, init_distributed
     from pipeline.export import export
     from pipeline.train import train
 
-    rank, world = dist_info()
-    run = RunDir(cfg)
-    inputs = train_inputs(cfg, world)
     if not (cfg.data_dir / "index.json").is_file():
-        from pipeline.config import ConfigError
-
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
+    info = init_distributed(cfg.parallel.backend)
+    run = RunDir(cfg)
+    inputs = train_inputs(cfg, info.world_size)
     if _skip(run, "train", inputs, force):
         return run.read_manifest("train").result  # type: ignore[union-attr]
-    if rank == 0:
+    if info.rank == 0 and cfg.train.checkpoint.resume == "auto":
         _archive_stale_training(run, sha256_json(inputs))
     barrier()
-    if rank != 0:
+    if info.rank != 0:
         return train(cfg)
     with run.stage("train", inputs) as m:
         m.result = train(cfg)
         ckpt = m.result.get("checkpoint")
         if ckpt:
-            out = export(cfg, Path(ckpt), export_dir(cfg))
-            m.result["export"] = str(out)
+            export(cfg, Path(ckpt), export_dir(cfg))
+            m.result["export"] = str(export_dir(cfg))
             m.outputs = hash_outputs(run, [export_dir(cfg) / "model.safetensors"])
     return m.result
 
@@ -164,7 +162,3 @@ def run_eval(cfg: RunConfig, *, checkpoint: Path | None = None, force: bool = Fa
         m.result = evaluate(cfg, checkpoint=checkpoint)
         m.outputs = hash_outputs(run, sorted((cfg.run_dir / "eval").glob("*.*")))
     return m.result
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))

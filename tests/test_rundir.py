@@ -62,5 +62,7 @@ def test_fingerprints_follow_what_each_stage_reads(tmp_path: Path) -> None:
     # train depends on model/train/world size but not on checkpoint cadence or logging
     assert train_inputs(base, 1) == train_inputs(_cfg(tmp_path, "train.checkpoint.every=7"), 1)
     assert train_inputs(base, 1) != train_inputs(_cfg(tmp_path, "model.attention.kind=fox"), 1)
-    assert train_inputs(base, 1) != train_inputs(base, 2)
+    assert train_inputs(base, 1) != train_inputs(base, 2)  # global batch doubles
+    # ... while the same global batch on twice the ranks is the same run (resume on another world size)
+    assert train_inputs(base, 1) == train_inputs(_cfg(tmp_path, "train.micro_batch=4"), 2)
     assert eval_inputs(base, None) != eval_inputs(_cfg(tmp_path, "eval.passkey.trials=1"), None)
