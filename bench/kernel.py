@@ -62,7 +62,8 @@ def _grads(fn: Callable[..., torch.Tensor], q, k, v, u, do, field: str, **kw) ->
     phi = torch.cumsum(torch.nn.functional.logsigmoid(u) if field == "gate" else u, dim=-1)
     o = fn(q, k, v, phi, **kw)
     o.backward(do)
-    return [o.detach().float(), q.grad.float(), k.grad.float(), v.grad.float(), u.grad.float()]
+    du = u.grad.float() if u.grad is not None else torch.zeros_like(u)  # softmax ignores the field
+    return [o.detach().float(), q.grad.float(), k.grad.float(), v.grad.float(), du]
 
 
 def check_correctness(device: torch.device) -> list[str]:
