@@ -123,6 +123,7 @@ class ShardLoader:
         self._plan: list[_Block] = []
         self._perm_key: tuple[int, int] = (-1, -1)
         self._perm = np.zeros(0, dtype=np.int64)
+        self._peek: tuple[int, tuple[int, ...]] = (-1, ())
 
     # ------------------------------------------------------------------------------------------------
     # State
@@ -269,6 +270,9 @@ class ShardLoader:
         self._evict(keep)
 
     def _epoch_plan_peek(self, epoch: int) -> tuple[int, ...]:
+        """The shards of an epoch's first block (to read ahead across the epoch boundary)."""
+        if self._peek[0] == epoch:
+            return self._peek[1]
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(len(self.shards)).tolist()
         first: list[int] = []
@@ -278,7 +282,8 @@ class ShardLoader:
             rows += self.shards[i].sequences
             if rows >= self.shuffle_block:
                 break
-        return tuple(first)
+        self._peek = (epoch, tuple(first))
+        return self._peek[1]
 
     def _read(self, i: int) -> np.ndarray:
         return read_shard(

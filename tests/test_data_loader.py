@@ -102,6 +102,14 @@ def test_global_order_independent_of_world_size_and_workers(data_dir: Path, shuf
             assert len(order) - steps * g < g
 
 
+def test_tiny_cache_and_read_ahead_do_not_change_the_stream(data_dir: Path) -> None:
+    """With cache_bytes=0 only the current and next block stay in memory: shards are re-read each epoch."""
+    steps = 75  # two and a half epochs of 6-sequence batches
+    ref = global_batches(data_dir, 6, 1, steps, shuffle_block=40)
+    got = global_batches(data_dir, 6, 1, steps, shuffle_block=40, cache_bytes=0, num_workers=2)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def test_blocks_stay_within_shard_groups(data_dir: Path) -> None:
     loader = ShardLoader(data_dir, "train", micro_batch=1, shuffle_block=40)
     order = loader.epoch_order(0)
