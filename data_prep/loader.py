@@ -237,6 +237,7 @@ class ShardLoader:
                 k = int(np.searchsorted(offsets, pos, side="right") - 1)
                 take = min(a + m, int(offsets[k + 1])) - pos
                 self._prefetch([k + 1] if k + 1 < len(self.shards) else [])
+                self._evict({k, k + 1})  # a pass over a big split keeps only what it reads next
                 rows.append(self._shard(k)[pos - offsets[k] : pos - offsets[k] + take])
                 pos += take
             yield torch.from_numpy(np.concatenate(rows).astype(np.int64))
