@@ -150,6 +150,43 @@ def test_perplexity_matches_hand_computation(tmp_path: Path, data_dir: Path) -> 
     assert (tmp_path / "perplexity.png").stat().st_size > 1000
 
 
+def test_perplexity_through_the_evicting_cache(tmp_path: Path, data_dir: Path) -> None:
+    """Chunked reading through the cache reproduces the plain loss when nothing can be evicted, and with
+    eviction it keeps a fraction of the keys at a small loss change."""
+    from data_prep.tokenizer import load_tokenizer
+    from fpa_model.cache import EvictionPolicy
+    from fpa_model.model import GPT
+    from pipeline.evaluation.perplexity import run_perplexity
+
+    cfg = _run_cfg(tmp_path, data_dir, "pplc", "fpa")
+    torch.manual_seed(2)
+    model = GPT(cfg.model).eval()
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.field_proj.weight.normal_(0, 0.3)
+    tok = load_tokenizer(data_dir)
+    kw = {
+        "data_dir": data_dir,
+        "seq_len": SEQ_LEN,
+        "multipliers": [2],
+        "bucket": 32,
+        "sequences": 1,
+        "prefill_chunk": 48,
+    }
+    never = run_perplexity(
+        model, tok, out_dir=tmp_path / "a", evict=EvictionPolicy(enabled=True, delta=1e9), **kw
+    )["lengths"][str(2 * SEQ_LEN)]
+    assert never["cache_fraction"] == 1.0
+    assert never["loss_compressed"] == pytest.approx(never["loss"], rel=1e-5)
+    assert never["loss_by_bucket_compressed"] == pytest.approx(never["loss_by_bucket"], rel=1e-5)
+    ev = run_perplexity(model, tok, out_dir=tmp_path / "b", evict=EvictionPolicy(enabled=True), **kw)
+    r = ev["lengths"][str(2 * SEQ_LEN)]
+    assert 0.0 < r["cache_fraction"] < 1.0
+    assert r["loss_compressed"] == pytest.approx(r["loss"], abs=0.05)
+    off = run_perplexity(model, tok, out_dir=tmp_path / "c", evict=EvictionPolicy(enabled=False), **kw)
+    assert "loss_compressed" not in off["lengths"][str(2 * SEQ_LEN)]
+
+
 def test_passkey_grid_scores_and_aggregates(
     tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -259,10 +296,13 @@ def test_evaluate_writes_report_and_compares_runs(tmp_path: Path, data_dir: Path
             assert 0.0 < rep["cache_fraction"] < 1.0  # the random field evicts some keys
             assert len(rep["cache_fraction_per_layer"]) == 2
             assert rep["passkey_accuracy_compressed"] is not None
+            assert set(rep["perplexity_compressed"]) == set(rep["perplexity"])
+            assert all(0.0 < f <= 1.0 for f in rep["ppl_cache_fraction"].values())
         else:
             assert rep["field"] is None
             assert rep["cache_fraction"] == 1.0
             assert rep["passkey_accuracy_compressed"] is None
+            assert rep["perplexity_compressed"] is None
     table = compare_reports(dirs)
     assert "| fpa-run | fpa | walk |" in table
     assert "| softmax-run | softmax | - |" in table

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fpa_model.cache import EvictionPolicy
 from pipeline.config import RunConfig
 from pipeline.evaluation.passkey import run_passkey
 from pipeline.evaluation.perplexity import run_perplexity
@@ -133,6 +134,13 @@ def _evaluate(
         sequences=cfg.eval.ppl_sequences,
         out_dir=out_dir,
         device=device,
+        evict=EvictionPolicy(
+            enabled=cfg.eval.cache.evict,
+            delta=cfg.eval.cache.delta,
+            margin=cfg.eval.cache.margin,
+            norm_slack=cfg.eval.cache.norm_slack,
+        ),
+        prefill_chunk=cfg.eval.cache.prefill_chunk,
     )
     attn = model.cfg.attention
     report = build_report(

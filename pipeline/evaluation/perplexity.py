@@ -7,10 +7,14 @@ L + 1 tokens (inputs and shifted targets).
 
 Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the target tokens decode to, so runs
 with different tokenizers compare. Special tokens (the end-of-document separator) count zero bytes.
+
+With eviction on (fpa/fox), every window is also read through the evicting KV cache in prefill chunks,
+giving the loss by position with the compressed cache and the fraction kept: the price of compression.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from fpa_model.cache import EvictionPolicy, prefill
 
 log = logging.getLogger("fpa")
 
@@ -88,6 +94,20 @@ def window_losses(model: torch.nn.Module, windows: torch.Tensor, batch: int = 1)
     return torch.cat(out)
 
 
+@torch.no_grad()
+def compressed_window_losses(
+    model: torch.nn.Module, windows: torch.Tensor, policy: EvictionPolicy, chunk_size: int
+) -> tuple[torch.Tensor, float]:
+    """Per-position loss (N, L) when the windows are read through the evicting KV cache in chunks (every
+    chunk sees only the keys kept so far), and the fraction of the cache kept at the end (mean)."""
+    out, fracs = [], []
+    for w in windows:
+        logits, cache = prefill(model, w[None, :-1], policy=policy, chunk_size=chunk_size, all_logits=True)
+        out.append(F.cross_entropy(logits[0].float(), w[1:], reduction="none").cpu())
+        fracs.append(float(cache.fraction_kept()["overall"]))
+    return torch.stack(out), sum(fracs) / len(fracs)
+
+
 def run_perplexity(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -99,8 +119,18 @@ def run_perplexity(
     sequences: int,
     out_dir: Path,
     device: torch.device | None = None,
+    evict: EvictionPolicy | None = None,
+    prefill_chunk: int = 128,
 ) -> dict[str, Any]:
-    """Loss by position bucket, perplexity and bits per byte per length; writes perplexity.json/.png."""
+    """Loss by position bucket, perplexity and bits per byte per length; writes perplexity.json/.png.
+
+    evict: also read every window through the evicting KV cache (chunks of prefill_chunk tokens) and
+    record its loss by position and the cache fraction kept: what compression costs in loss. Ignored
+    for softmax models, which never evict.
+    """
+    kinds = {block.attn.kind for block in model.blocks}
+    if evict is not None and (not evict.enabled or kinds == {"softmax"}):
+        evict = None
     device = device or next(model.parameters()).device
     lengths = [max(2, round(m * seq_len)) for m in multipliers]
     need = sequences * (max(lengths) + 1)
@@ -141,6 +171,18 @@ def run_perplexity(
             "loss_within_train_len": float(per_pos[:seq_len].mean()),
             "loss_beyond_train_len": float(per_pos[seq_len:].mean()) if seq_len < L else None,
         }
+        if evict is not None:
+            policy = dataclasses.replace(evict, max_tokens=L)
+            closs, frac = compressed_window_losses(model, windows, policy, prefill_chunk)
+            cpos = closs.mean(0)
+            result["lengths"][key].update(
+                {
+                    "loss_compressed": float(closs.mean()),
+                    "perplexity_compressed": math.exp(min(float(closs.mean()), 50.0)),
+                    "loss_by_bucket_compressed": [float(cpos[s : s + bucket].mean()) for s in starts],
+                    "cache_fraction": frac,
+                }
+            )
         log.info("perplexity length %d (%gx): loss %.4f, %d windows", L, m, mean, n)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / ".perplexity.json.tmp"
@@ -161,7 +203,17 @@ def plot_perplexity(result: dict[str, Any], path: Path) -> None:
         if not r.get("windows"):
             continue
         centers = [s + result["bucket"] / 2 for s in r["bucket_start"]]
-        ax.plot(centers, r["loss_by_bucket"], marker=".", label=f"{key} tokens ({r['multiplier']:g}x)")
+        (line,) = ax.plot(
+            centers, r["loss_by_bucket"], marker=".", label=f"{key} tokens ({r['multiplier']:g}x)"
+        )
+        if "loss_by_bucket_compressed" in r:
+            ax.plot(
+                centers,
+                r["loss_by_bucket_compressed"],
+                linestyle=":",
+                color=line.get_color(),
+                label=f"{key}, evicting cache ({r['cache_fraction']:.0%} kept)",
+            )
     ax.axvline(result["seq_len"], color="gray", linestyle="--", linewidth=1, label="training length")
     ax.set_xlabel("position")
     ax.set_ylabel("loss (nats)")

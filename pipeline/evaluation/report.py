@@ -24,6 +24,8 @@ is null, never absent):
     passkey_grid                          {"lengths": [...], "depths": [...], "full": [[acc per depth] per
                                           length], "compressed": same or null}
     perplexity                            {"<tokens>": perplexity}
+    perplexity_compressed                 {"<tokens>": perplexity reading through the evicting cache} or null
+    ppl_cache_fraction                    {"<tokens>": cache fraction kept in those windows} or null
     bits_per_byte                         {"<tokens>": bits per byte}
     ppl_by_position                       {"<tokens>": {"bucket_start": [...], "loss": [...]}} (loss in nats)
 """
@@ -56,6 +58,8 @@ REPORT_KEYS = (
     "cache_fraction_per_layer",
     "passkey_grid",
     "perplexity",
+    "perplexity_compressed",
+    "ppl_cache_fraction",
     "bits_per_byte",
     "ppl_by_position",
 )
@@ -121,6 +125,12 @@ def build_report(
         if passkey
         else None,
         "perplexity": {k: v["perplexity"] for k, v in lengths_ok.items()} or None,
+        "perplexity_compressed": {
+            k: v["perplexity_compressed"] for k, v in lengths_ok.items() if "perplexity_compressed" in v
+        }
+        or None,
+        "ppl_cache_fraction": {k: v["cache_fraction"] for k, v in lengths_ok.items() if "cache_fraction" in v}
+        or None,
         "bits_per_byte": {k: v["bits_per_byte"] for k, v in lengths_ok.items()} or None,
         "ppl_by_position": {
             k: {"bucket_start": v["bucket_start"], "loss": v["loss_by_bucket"]} for k, v in lengths_ok.items()
@@ -183,16 +193,19 @@ def report_markdown(report: dict[str, Any]) -> str:
                 lines += ["Cache kept by layer: " + ", ".join(_pct(v) for v in r["cache_fraction_per_layer"])]
             lines.append("")
     if r["perplexity"]:
+        comp = r["perplexity_compressed"] or {}
+        frac = r["ppl_cache_fraction"] or {}
         lines += [
             "## Validation perplexity by length",
             "",
-            "| length | loss | perplexity | bits/byte |",
-            "|---|---|---|---|",
+            "| length | loss | perplexity | bits/byte | perplexity, evicting cache | cache kept |",
+            "|---|---|---|---|---|---|",
         ]
         for k in r["perplexity"]:
             mean_loss = math.log(r["perplexity"][k])
             lines.append(
-                f"| {k} | {mean_loss:.4f} | {r['perplexity'][k]:.2f} | {r['bits_per_byte'][k]:.4f} |"
+                f"| {k} | {mean_loss:.4f} | {r['perplexity'][k]:.2f} | {r['bits_per_byte'][k]:.4f} "
+                f"| {_f(comp.get(k), 2)} | {_pct(frac.get(k))} |"
             )
         lines += ["", "Loss by position: `perplexity.png`; passkey heatmaps: `passkey.png`.", ""]
     return "\n".join(lines)
