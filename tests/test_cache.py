@@ -192,3 +192,33 @@ def test_model_eviction_reports_fraction_and_shrinks() -> None:
     _, c2 = prefill(softmax, idx, policy=EvictionPolicy(enabled=True), chunk_size=4)
     assert c2.fraction_kept()["overall"] == 1.0
     assert isinstance(c2, KVCache)
+
+
+def test_generate_stops_at_eos_and_pads_finished_rows() -> None:
+    model = _model("fox")
+    idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    free, _ = generate(model, idx, 8)
+    eos = int(free[0, 2])  # row 0 emits this token at step 2 (or earlier)
+    new, _ = generate(model, idx, 8, eos_id=eos)
+    for r in range(2):
+        toks, ref = new[r].tolist(), free[r].tolist()
+        if eos in toks:  # greedy up to the first eos, then eos only
+            cut = toks.index(eos) + 1
+            assert toks[:cut] == ref[:cut]
+            assert set(toks[cut:]) <= {eos}
+        else:
+            assert toks == ref[: len(toks)]
+    assert eos in new[0].tolist()
+    # Generation ends once every row is done: no longer than the row that finishes last.
+    if eos in free[1].tolist():
+        assert new.shape[1] == max(free[r].tolist().index(eos) for r in range(2)) + 1
+
+
+def test_prefill_input_errors() -> None:
+    model = _model("fpa")
+    with pytest.raises(ValueError, match="shape"):
+        prefill(model, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size"):
+        prefill(model, torch.zeros(1, 4, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="needs field phi"):
+        LayerCache("fpa").attend(*(torch.zeros(1, 1, 2, 4),) * 3, None)
