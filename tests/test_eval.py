@@ -322,3 +322,44 @@ def test_missing_weights_and_reports_are_clear_errors(tmp_path: Path, data_dir: 
     (bad / "report.json").write_text('{"schema_version": 1, "run": "x"}')
     with pytest.raises(ValueError, match="missing keys"):
         load_report(cfg.run_dir)
+
+
+def test_report_without_passkey_and_with_a_skipped_length() -> None:
+    from pipeline.evaluation.report import REPORT_KEYS, build_report, report_markdown
+
+    ppl = {
+        "seq_len": 64,
+        "bucket": 32,
+        "lengths": {
+            "64": {
+                "multiplier": 1.0,
+                "windows": 2,
+                "loss": 2.0,
+                "perplexity": math.exp(2.0),
+                "bits_per_byte": 1.5,
+                "bucket_start": [0, 32],
+                "loss_by_bucket": [2.2, 1.8],
+            },
+            "512": {"multiplier": 8.0, "windows": 0, "skipped": "too few validation tokens"},
+        },
+    }
+    rep = build_report(
+        run="r",
+        kind="fox",
+        field="gate",
+        seq_len=64,
+        n_params=10,
+        checkpoint="x",
+        train_val_loss=float("nan"),  # a diverged run's NaN is not a loss to report
+        passkey=None,
+        ppl=ppl,
+    )
+    assert tuple(rep) == REPORT_KEYS
+    assert (rep["final_val_loss"], rep["final_val_loss_source"]) == (2.0, "eval")
+    assert rep["passkey_accuracy"] is None and rep["passkey_grid"] is None and rep["cache_fraction"] is None
+    assert rep["perplexity"] == {"64": pytest.approx(math.exp(2.0))}
+    assert rep["perplexity_compressed"] is None
+    assert rep["ppl_by_position"] == {"64": {"bucket_start": [0, 32], "loss": [2.2, 1.8]}}
+    md = report_markdown(rep)
+    assert "| 64 | 2.0000 | 7.39 | 1.5000 | - | - |" in md
+    assert "Passkey accuracy" not in md
