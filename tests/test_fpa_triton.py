@@ -83,6 +83,8 @@ SHAPES = {
     "B1H2T97D16-blk16": (1, 2, 97, 16, 16),
     "B1H1T45D24-blk32": (1, 1, 45, 24, 32),
     "B1H1T70D16-autotune": (1, 1, 70, 16, None),
+    "B1H1T1D8-blk16": (1, 1, 1, 8, 16),  # one token; D below the 16 tl.dot needs
+    "B1H1T20D128-blk16": (1, 1, 20, 128, 16),  # the largest head dim
 }
 # Every kind and field mode on the multi-block, multi-batch shape; the two main kinds on every shape.
 FP32_CASES = [
