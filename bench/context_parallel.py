@@ -6,7 +6,8 @@
 Every measurement runs in fresh processes (gloo, one thread each): the single-process baseline is the
 chunked path (fpa_model.ops.fpa.chunked_fpa_attention) on the whole sequence, the ring is
 context_parallel_attention over 2 ranks, in the zigzag and the contiguous layout. Time: forward +
-backward, median over repeats of the slowest rank (a step waits for it). Memory: peak RSS
+backward, median over repeats of the slowest rank (a step waits for it), as wall time and as CPU time of
+the process (time.process_time: less sensitive to other load on a shared machine). Memory: peak RSS
 (VmHWM, reset through /proc/self/clear_refs after a warm-up step and malloc_trim) minus the RSS at that
 point, i.e. the extra memory a forward + backward needs on top of its inputs, per process. With 2 ranks
 on a 2-core machine the ideal time ratio is 0.5 and the ideal memory ratio about 0.5 (each rank holds
@@ -103,28 +104,30 @@ def _worker(
             base = _status_mb("VmRSS")
         if world > 1:
             dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        times.append(float(dt))
+        times.append(dt.tolist())
     # Peak since the reset (VmHWM); without clear_refs the lifetime peak, which includes the warm-up.
     peak = (
         _status_mb("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     ) - base
-    Path(out, f"rank{rank}.txt").write_text(f"{statistics.median(times[1:])} {peak}")
+    wall = statistics.median(t[0] for t in times[1:])
+    cpu = statistics.median(t[1] for t in times[1:])
+    Path(out, f"rank{rank}.txt").write_text(f"{wall} {cpu} {peak}")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def measure(world: int, layout: str, seq: int, args: argparse.Namespace) -> tuple[float, list[float]]:
-    """(median step seconds, per-rank extra peak MB) from fresh processes."""
+def measure(world: int, layout: str, seq: int, args: argparse.Namespace) -> tuple[float, float, list[float]]:
+    """(median step wall seconds, median CPU seconds of the busiest rank, per-rank extra peak MB)."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, layout, seq, args, str(Path(d, "rdzv")), d), nprocs=world, join=True)
         rows = [Path(d, f"rank{r}.txt").read_text().split() for r in range(world)]
-    return float(rows[0][0]), [float(r[1]) for r in rows]
+    return float(rows[0][0]), float(rows[0][1]), [float(r[2]) for r in rows]
 
 
 def main() -> None:
@@ -149,19 +152,19 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     head = (
-        f"{'T':>6} {'layout':>10} {'1-proc s':>9} {'2-rank s':>9} {'t ratio':>8} {'1-proc MB':>10} "
-        f"{'rank MB':>15} {'m ratio':>8}"
+        f"{'T':>6} {'layout':>10} {'1p wall':>8} {'2r wall':>8} {'ratio':>6} {'1p cpu':>8} {'2r cpu':>8} "
+        f"{'ratio':>6} {'1p MB':>7} {'rank MB':>11} {'ratio':>6}"
     )
     print(head)
     print("-" * len(head))
     for seq in args.seqs:
-        t1, (m1,) = measure(1, "contiguous", seq, args)
+        t1, c1, (m1,) = measure(1, "contiguous", seq, args)
         for layout in args.layouts:
-            t2, m2 = measure(2, layout, seq, args)
+            t2, c2, m2 = measure(2, layout, seq, args)
             ranks = "/".join(f"{m:.0f}" for m in m2)
             print(
-                f"{seq:>6} {layout:>10} {t1:>9.3f} {t2:>9.3f} {t2 / t1:>8.2f} {m1:>10.0f} {ranks:>15} "
-                f"{max(m2) / max(m1, 1e-9):>8.2f}",
+                f"{seq:>6} {layout:>10} {t1:>8.3f} {t2:>8.3f} {t2 / t1:>6.2f} {c1:>8.3f} {c2:>8.3f} "
+                f"{c2 / c1:>6.2f} {m1:>7.0f} {ranks:>11} {max(m2) / max(m1, 1e-9):>6.2f}",
                 flush=True,
             )
 

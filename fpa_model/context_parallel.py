@@ -297,8 +297,24 @@ def _between_min(minima: Tensor, b: int, a: int) -> tuple[Tensor, Tensor | None]
 # The autograd Function
 
 
+# Row tiles hold at least this many scores per batch and head (fewer, larger calls on short chunks).
+_TILE_SCORES = 1 << 17
+
+
 def _row_tiles(n: int, rows: int) -> list[tuple[int, int]]:
+    """Query row ranges of a chunk of n: `rows` (block_size) each, more while a tile stays small."""
+    rows = max(rows, min(n, _TILE_SCORES // max(n, 1)))
     return [(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def _chunks(travel: list[Tensor], c: int, n: int) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+    """K, V, phi of the ranks' chunks as dense tensors (the blocks would copy a strided view per tile)."""
+    kk = [t.contiguous() for t in travel[0].split(c, dim=-2)]
+    vv = [t.contiguous() for t in travel[1].split(c, dim=-2)]
+    pk: list[Tensor | None] = (
+        [t.contiguous() for t in travel[2].split(c, dim=-1)] if len(travel) > 2 else [None] * n
+    )
+    return kk, vv, pk
 
 
 class _Field:
@@ -364,14 +380,14 @@ class _ContextParallelAttention(torch.autograd.Function):
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         outs, lses = out.split(c, dim=-2), lse.split(c, dim=-1)  # views, filled in place
+        no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind == "fpa" else None  # adjacent
 
         ring = _Ring(group) if world > 1 else None
         travel = [k, v] + ([phi] if phi is not None else [])
         for step in range(world):
             src = (rank - step) % world
             pending = ring.start(travel) if ring is not None and step < world - 1 else None
-            kk, vv = travel[0].split(c, dim=-2), travel[1].split(c, dim=-2)
-            pk = travel[2].split(c, dim=-1) if phi is not None else [None] * n_local
+            kk, vv, pk = _chunks(travel, c, n_local)
             for ia, a in enumerate(ids):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a:
@@ -379,11 +395,27 @@ class _ContextParallelAttention(torch.autograd.Function):
                     m = _between_min(fld.minima, b, a)[0] if kind == "fpa" else None
                     for s, e in _row_tiles(c, rows):
                         qt = qs[ia][..., s:e, :]
-                        if b == a:  # causal: rows [s, e) see keys [0, e) of the same chunk
-                            pd = pk[ib][..., :e] if phi is not None else None
+                        if b == a:
+                            # Rows [s, e) of a chunk against itself: a causal tile over [s, e) plus a
+                            # cross tile against the adjacent keys [0, s) (M = +inf), which is much
+                            # cheaper than the diagonal block's direct range min over all of [0, e).
+                            pd = phis_q[ia][..., s:e] if phi is not None else None
                             o, lt = ops.fpa_diag_forward(
-                                qt, kk[ib][..., :e, :], vv[ib][..., :e, :], pd, kind=kind, scale=scale
+                                qt, kk[ib][..., s:e, :], vv[ib][..., s:e, :], pd, kind=kind, scale=scale
                             )
+                            if s > 0:
+                                p0 = pk[ib][..., :s] if phi is not None else None
+                                o2, l2 = ops.fpa_cross_forward(
+                                    qt,
+                                    kk[ib][..., :s, :],
+                                    vv[ib][..., :s, :],
+                                    pd,
+                                    p0,
+                                    no_m,
+                                    kind=kind,
+                                    scale=scale,
+                                )
+                                o, lt = ops.merge_lse(o, lt, o2, l2)
                         else:
                             mt = _tile_m(kind, m, pmins[ia], s)[0]
                             pq = phis_q[ia][..., s:e] if phi is not None else None
@@ -424,6 +456,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         dphi_q = torch.zeros_like(phi) if has_field else None
         dphis_q = dphi_q.split(c, -1) if has_field else None
         dm_buf = torch.zeros_like(minima) if kind == "fpa" else None  # (N,B,H): dM per chunk holding M
+        no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind == "fpa" else None
 
         ring = _Ring(group) if world > 1 else None
         travel = [k, v] + ([phi] if has_field else [])
@@ -434,8 +467,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         for step in range(world):
             src = (rank - step) % world
             pending = ring.start(travel) if ring is not None and step < world - 1 else None
-            kk, vv = travel[0].split(c, -2), travel[1].split(c, -2)
-            pk = travel[2].split(c, -1) if has_field else [None] * n_local
+            kk, vv, pk = _chunks(travel, c, n_local)
             gk, gv = grads[0].split(c, -2), grads[1].split(c, -2)  # views: in-place adds write through
             gp = grads[2].split(c, -1) if has_field else None
             for ia, a in enumerate(ids):
@@ -447,22 +479,28 @@ class _ContextParallelAttention(torch.autograd.Function):
                     for s, e in _row_tiles(c, rows):
                         args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
                         tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}
-                        if b == a:
-                            pd = pk[ib][..., :e] if has_field else None
-                            g = ops.fpa_diag_backward(
-                                *args,
-                                kk[ib][..., :e, :],
-                                vv[ib][..., :e, :],
-                                pd,
-                                **tile,
-                                kind=kind,
-                                scale=scale,
-                            )
+                        if b == a:  # the same split as the forward: causal [s, e) + cross [0, s)
+                            pd = phis_q[ia][..., s:e] if has_field else None
+                            kd, vd = kk[ib][..., s:e, :], vv[ib][..., s:e, :]
+                            g = ops.fpa_diag_backward(*args, kd, vd, pd, **tile, kind=kind, scale=scale)
                             dqs[ia][..., s:e, :] += g.dq
-                            gk[ib][..., :e, :] += g.dk
-                            gv[ib][..., :e, :] += g.dv
+                            gk[ib][..., s:e, :] += g.dk
+                            gv[ib][..., s:e, :] += g.dv
                             if has_field:
-                                dphis_q[ia][..., :e] += g.dphi
+                                dphis_q[ia][..., s:e] += g.dphi
+                            if s == 0:
+                                continue
+                            p0 = pk[ib][..., :s] if has_field else None
+                            k0, v0 = kk[ib][..., :s, :], vv[ib][..., :s, :]
+                            g2 = ops.fpa_cross_backward(
+                                *args, k0, v0, pd, p0, no_m, **tile, kind=kind, scale=scale
+                            )
+                            dqs[ia][..., s:e, :] += g2.dq
+                            gk[ib][..., :s, :] += g2.dk
+                            gv[ib][..., :s, :] += g2.dv
+                            if has_field:
+                                dphis_q[ia][..., s:e] += g2.dphi_q
+                                dphis_q[ia][..., :s] += g2.dphi_k
                             continue
                         mt, m_wins = _tile_m(kind, m, pmin, s)
                         pq = phis_q[ia][..., s:e] if has_field else None
