@@ -18,18 +18,18 @@ from typing import Any
 import torch
 
 from fpa_model.cache import EvictionPolicy
-from pipeline.config import RunConfig
+from pipeline.config import ConfigError, RunConfig
 from pipeline.evaluation.passkey import run_passkey
 from pipeline.evaluation.perplexity import run_perplexity
 from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_reports, load_report, write_report
 
 log = logging.getLogger("fpa")
 
-__all__ = ["REPORT_KEYS", "compare_reports", "evaluate", "load_report", "resolve_weights"]
+__all__ = ["REPORT_KEYS", "EvalError", "compare_reports", "evaluate", "load_report", "resolve_weights"]
 
 
-class EvalError(Exception):
-    """An evaluation input problem (missing weights, data), reported as one line."""
+class EvalError(ConfigError):
+    """An evaluation input problem (missing weights, mismatched data); the CLI reports it as one line."""
 
 
 def resolve_weights(cfg: RunConfig, checkpoint: Path | None = None) -> Path:
