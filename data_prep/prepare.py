@@ -15,7 +15,9 @@ a generator seeded by cfg.seed; their filler count is capped so that a document 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import os
@@ -82,16 +84,31 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> di
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        summary = _prepare_into(cfg, tmp, progress=progress)
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _locked(out_dir.parent):
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            summary = _prepare_into(cfg, tmp, progress=progress)
+            _check_replaceable(out_dir)  # again: another process may have written there meanwhile
+            _swap_in(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     summary["out_dir"] = str(out_dir)
     return summary
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive flock on a directory: concurrent prepares into one place (say, every rank of a job
+    calling prepare) run one after the other instead of racing on the final rename. No lock file is left
+    behind. Local file systems only; on NFS the lock may be advisory per node."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _check_replaceable(out_dir: Path) -> None:

@@ -146,6 +146,18 @@ def test_prepare_twice_gives_identical_bytes(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c.jsonl"]
 
 
+def test_concurrent_prepares_into_one_directory(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = small_cfg(write_corpus(tmp_path / "c.jsonl", 60))
+    prepare_data(cfg, tmp_path / "ref", progress=False)
+    with ThreadPoolExecutor(3) as pool:
+        for f in [pool.submit(prepare_data, cfg, tmp_path / "d", progress=False) for _ in range(3)]:
+            f.result()
+    assert tree_digest(tmp_path / "d") == tree_digest(tmp_path / "ref")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "d", "ref"]
+
+
 def test_passkey_mix_goes_into_train_only(tmp_path: Path) -> None:
     cfg = small_cfg(write_corpus(tmp_path / "c.jsonl"), passkey_mix=0.25, seq_len=64, sequences_per_shard=64)
     prepare_data(cfg, tmp_path / "d", progress=False)
