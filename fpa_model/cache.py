@@ -18,11 +18,13 @@ weight of key j is exp(scale q.(k_j - k_i) + b_ij) <= exp(2 scale |q| k_max + b_
 every evicted key then weighs less than exp(-margin) / N, so all evicted keys together carry less than
 exp(-margin) of the softmax mass at any later query, and each attention output moves by less than
 2 exp(-margin) max|v|. q_max and k_max must bound *future* queries and keys, which are unknown: we use the
-largest norm seen so far in that layer and head (prefill sees the whole prompt, so the estimate starts from
-many tokens) times a slack factor s (CacheConfig.norm_slack, default 1.25), and N is the larger of the
-tokens seen and the expected total length (`max_tokens`). The bound is therefore sound for any continuation
-whose query and key norms stay within s times those of the prompt; with qk_norm the norms are fixed by the
-RMSNorm weights and the bound holds outright. A fixed `delta` (CacheConfig.delta) overrides the bound.
+largest norm seen so far in that layer and head (eviction starts after the first prefill chunk, so the
+estimate comes from at least that many tokens) times a slack factor s (CacheConfig.norm_slack, default
+1.25), and N is the larger of the tokens seen and the expected total length (`max_tokens`). The bound is
+therefore sound for any continuation whose query and key norms stay within s times those seen before. With
+qk_norm the norms have a hard ceiling, sqrt(Dh) * max|RMSNorm weight|, which `KVCache.for_model` passes in
+and which then replaces the estimate: the bound holds outright. A fixed `delta` (CacheConfig.delta)
+overrides the bound.
 
 Softmax never evicts. With eviction off, decoding reproduces the full forward pass to fp32 tolerance.
 """
@@ -72,12 +74,22 @@ class LayerCache:
     ones, then appends the new keys and applies the eviction policy.
     """
 
-    def __init__(self, kind: str, policy: EvictionPolicy | None = None, scale: float | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        policy: EvictionPolicy | None = None,
+        scale: float | None = None,
+        *,
+        q_bound: float | None = None,
+        k_bound: float | None = None,
+    ) -> None:
         if kind not in ("fpa", "fox", "softmax"):
             raise ValueError(f"unknown attention kind {kind!r}")
         self.kind = kind
         self.policy = policy or EvictionPolicy()
         self.scale = scale
+        # Hard ceilings on every query / key norm (qk_norm); None: estimated from the norms seen.
+        self.q_bound, self.k_bound = q_bound, k_bound
         self.seen = 0
         self.k: Tensor | None = None  # (B,H,C,Dh)
         self.v: Tensor | None = None
@@ -118,7 +130,9 @@ class LayerCache:
         s = p.norm_slack
         assert self.k is not None
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.k.shape[-1])
-        return 2.0 * scale * (s * self.q_max) * (s * self.k_max) + math.log(n) + p.margin
+        q = torch.full_like(self.q_max, self.q_bound) if self.q_bound is not None else s * self.q_max
+        k = torch.full_like(self.k_max, self.k_bound) if self.k_bound is not None else s * self.k_max
+        return 2.0 * scale * q * k + math.log(n) + p.margin
 
     # ------------------------------------------------------------------------------------------------
 
@@ -245,7 +259,19 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: EvictionPolicy | None = None) -> KVCache:
         policy = policy or EvictionPolicy()
-        return cls([LayerCache(block.attn.kind, policy) for block in model.blocks])
+        layers = []
+        for block in model.blocks:
+            attn = block.attn
+            bounds = {}
+            if getattr(attn, "q_norm", None) is not None and getattr(attn, "k_norm", None) is not None:
+                # RMSNorm output: |y| = sqrt(D) * |w * x/|x||, at most sqrt(D) max|w| (RoPE keeps norms).
+                root_d = math.sqrt(attn.head_dim)
+                bounds = {
+                    "q_bound": root_d * float(attn.q_norm.weight.detach().abs().max()),
+                    "k_bound": root_d * float(attn.k_norm.weight.detach().abs().max()),
+                }
+            layers.append(LayerCache(attn.kind, policy, **bounds))
+        return cls(layers)
 
     def fraction_kept(self) -> dict[str, float | list[float]]:
         """{"per_layer": [kept/seen per layer], "overall": kept/seen over all layers and heads}."""

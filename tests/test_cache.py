@@ -222,3 +222,24 @@ def test_prefill_input_errors() -> None:
         prefill(model, torch.zeros(1, 4, dtype=torch.long), chunk_size=0)
     with pytest.raises(ValueError, match="needs field phi"):
         LayerCache("fpa").attend(*(torch.zeros(1, 1, 2, 4),) * 3, None)
+
+
+def test_qk_norm_gives_hard_norm_bounds() -> None:
+    model = _model("fpa", qk_norm=True)
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.q_norm.weight.uniform_(0.5, 2.0)
+            blk.attn.k_norm.weight.uniform_(0.5, 1.5)
+    idx = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(7))
+    _, cache = prefill(model, idx, policy=EvictionPolicy(enabled=True), chunk_size=10)
+    for blk, lc in zip(model.blocks, cache.layers):
+        d = blk.attn.head_dim
+        assert lc.q_bound == pytest.approx(math.sqrt(d) * float(blk.attn.q_norm.weight.detach().abs().max()))
+        assert float(lc.q_max.max()) <= lc.q_bound * (1 + 1e-5)
+        assert float(lc.k_max.max()) <= lc.k_bound * (1 + 1e-5)
+        scale = 1 / math.sqrt(d)
+        expect = 2 * scale * lc.q_bound * lc.k_bound + math.log(30) + 2.0
+        torch.testing.assert_close(lc.threshold(), torch.full_like(lc.q_max, expect))
+    plain = _model("fpa")
+    _, c2 = prefill(plain, idx, policy=EvictionPolicy(enabled=True), chunk_size=10)
+    assert all(lc.q_bound is None for lc in c2.layers)
