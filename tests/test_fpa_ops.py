@@ -119,10 +119,13 @@ def test_value_dim_differs_from_key_dim(kind):
     _assert_all_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bs", [1, 4, 32], ids=lambda b: f"bs{b}")
-def test_ties_follow_lowest_index_rule(bs):
+@pytest.mark.parametrize(
+    "bs,sub", [(1, 16), (4, 16), (32, 16), (16, 4)], ids=["bs1", "bs4", "bs32", "bs16-sub4"]
+)
+def test_ties_follow_lowest_index_rule(bs, sub, monkeypatch):
     """Integer fields have many equal minima; the chunked routing must pick the same (lowest) argmin as
-    the oracle, across tiles (S vs M vs P) and inside them."""
+    the oracle, across tiles (S vs M vs P) and inside them (sub4: inside two-level diagonal tiles)."""
+    monkeypatch.setattr(chunked_mod, "_SUB", sub)
     q, k, v, _, dout = _inputs(2, 2, 64, 64, 8, seed=5)
     phi = torch.randint(-2, 3, (2, 2, 64), generator=torch.Generator().manual_seed(5)).float()
     got = _fwd_bwd(lambda *x: chunked_fpa_attention(*x, kind="fpa", block_size=bs), q, k, v, phi, dout)
