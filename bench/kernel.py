@@ -139,8 +139,8 @@ def _contenders(dtype: torch.dtype) -> dict[str, Callable[[Inputs], torch.Tensor
 
         # fla takes (B, T, H, D) and the per-token log forget gate (B, T, H); it does the cumsum itself.
         out["fox-fla"] = lambda x: parallel_forgetting_attn(*x.bthd[:4])
-    except ImportError:
-        print("  fla (flash-linear-attention) is not importable: fox-fla skipped")
+    except Exception as e:  # not installed, or built against another triton
+        print(f"  fla (flash-linear-attention) is not usable ({type(e).__name__}): fox-fla skipped")
 
     def sdpa(x: Inputs) -> torch.Tensor:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
