@@ -10,8 +10,8 @@ cover the same positions. For a key block kb < qb the range-min splits into thre
     min(P_i, S_j, M) with P_i = prefix-min of the query block up to i, S_j = suffix-min of the key block
     from j, M = min of the blocks strictly between,
 and M is one running scalar while the key blocks are visited from the diagonal downwards. On the
-diagonal tile the range-min is built level by level: a pair (i, j), j < i, whose local indices first
-differ at bit h is split at the start c of i's aligned 2^h segment, so min[j, i] = min(suffix-min of j's
+diagonal tile the range-min is built level by level: a pair (i, j), j < i, whose local indices have
+their highest differing bit at h is split at the start c of i's aligned 2^h segment, so min[j, i] = min(suffix-min of j's
 2^h segment from j, prefix-min of i's 2^h segment up to i). That is log2(BLOCK) tile passes instead of
 BLOCK, and each pass knows which position holds the minimum.
 
@@ -20,10 +20,11 @@ chunked path shares). ds_ij is routed to the argmin: prefix-min (per query, in t
 (per key, in the dk/dv kernel), the between-blocks minimum M (one scalar per tile, flushed with an atomic
 add only when the running argmin moves) and the diagonal tile (dq kernel). The -[t = j] term is the
 column sum of ds (dk/dv kernel). Each kernel owns the positions it stores, so everything except the
-M route is deterministic. Nothing of size T x T is stored; the forward keeps only the log-sum-exp.
+M route is deterministic (on GPU the M-route atomics may change the last bits of d phi from run to
+run). Nothing of size T x T is stored; the forward keeps only the log-sum-exp.
 
-All math runs in fp32. On GPU, bf16/fp16 inputs feed tl.dot in their own dtype (fp32 accumulate); under
-the CPU interpreter everything is cast to fp32 right after the load (bf16 math there is wrong).
+All math runs in fp32. On GPU, bf16/fp16 inputs feed tl.dot in their own dtype (fp32 accumulate) and fp32
+inputs use IEEE fp32 dots (no TF32); under the CPU interpreter everything is cast to fp32 right after the load (bf16 math there is wrong).
 """
 
 from __future__ import annotations
