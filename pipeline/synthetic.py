@@ -66,6 +66,7 @@ class Batch:
 class Task:
     name: str
     description: str
+    title: str  # short plot title
     multi_label: bool  # True: target is a set of values (multi-hot, exact-match accuracy)
     markers: tuple[str, ...]  # marker token names, ids V+1, V+2, ...
     generate: Callable[[np.random.Generator, int, int, int], Batch]  # (rng, batch, seq_len, n_values)
@@ -163,15 +164,30 @@ def _gen_recency(
 
 
 TASKS: dict[str, Task] = {
-    "stack": Task("stack", "set of values on a push/pop stack", True, ("POP",), _gen_stack),
+    "stack": Task(
+        "stack",
+        "set of values on a push/pop stack",
+        "set on a push/pop stack",
+        True,
+        ("POP",),
+        _gen_stack,
+    ),
     "txn": Task(
         "txn",
         "set of visible values under BEGIN/COMMIT/ROLLBACK",
+        "visible set, BEGIN/COMMIT/ROLLBACK",
         True,
         ("BEGIN", "COMMIT", "ROLLBACK"),
         _gen_txn,
     ),
-    "recency": Task("recency", "most recent value (control: FoX can do it)", False, ("FILL",), _gen_recency),
+    "recency": Task(
+        "recency",
+        "most recent value (control: FoX can do it)",
+        "most recent value (control)",
+        False,
+        ("FILL",),
+        _gen_recency,
+    ),
 }
 
 
@@ -601,14 +617,18 @@ def _plot(path: Path, records: list[dict], cfg: SynthConfig) -> None:
     tasks = list(dict.fromkeys(r["task"] for r in records))
     kinds = list(dict.fromkeys(r["kind"] for r in records))
     colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    styles = dict(zip(kinds, ["-", "--", "-.", ":"] * 4))
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
     for ax, t in zip(axes[0], tasks):
         for k in kinds:
             for i, r in enumerate(r for r in records if r["task"] == t and r["kind"] == k):
                 xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, color=colors[k], alpha=0.8, lw=1.2, label=k if i == 0 else None)
+                # Distinct dashes per kind: curves that coincide (several kinds at 1.0) stay visible.
+                ax.plot(
+                    xs, ys, color=colors[k], ls=styles[k], alpha=0.85, lw=1.4, label=k if i == 0 else None
+                )
         ax.axhline(cfg.target_acc, color="gray", ls=":", lw=1)
-        ax.set_title(f"{t}: {TASKS[t].description}", fontsize=9)
+        ax.set_title(f"{t}: {TASKS[t].title}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
