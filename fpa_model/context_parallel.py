@@ -307,12 +307,15 @@ def _row_tiles(n: int, rows: int) -> list[tuple[int, int]]:
     return [(s, min(s + rows, n)) for s in range(0, n, rows)]
 
 
-def _chunks(travel: list[Tensor], c: int, n: int) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
-    """K, V, phi of the ranks' chunks as dense tensors (the blocks would copy a strided view per tile)."""
-    kk = [t.contiguous() for t in travel[0].split(c, dim=-2)]
-    vv = [t.contiguous() for t in travel[1].split(c, dim=-2)]
+def _chunks(
+    travel: list[Tensor], c: int, n: int, dk: int
+) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+    """K, V, phi per chunk as dense tensors (the blocks would copy a strided view on every tile)."""
+    kv = travel[0].split(c, dim=-2)
+    kk = [t[..., :dk].contiguous() for t in kv]
+    vv = [t[..., dk:].contiguous() for t in kv]
     pk: list[Tensor | None] = (
-        [t.contiguous() for t in travel[2].split(c, dim=-1)] if len(travel) > 2 else [None] * n
+        [t.contiguous() for t in travel[1].split(c, dim=-1)] if len(travel) > 1 else [None] * n
     )
     return kk, vv, pk
 
@@ -383,11 +386,13 @@ class _ContextParallelAttention(torch.autograd.Function):
         no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind == "fpa" else None  # adjacent
 
         ring = _Ring(group) if world > 1 else None
-        travel = [k, v] + ([phi] if phi is not None else [])
+        dk = k.shape[-1]
+        # K and V travel as one tensor (one message per hop), phi beside it in float32.
+        travel = [torch.cat([k, v], dim=-1)] + ([phi] if phi is not None else [])
         for step in range(world):
             src = (rank - step) % world
             pending = ring.start(travel) if ring is not None and step < world - 1 else None
-            kk, vv, pk = _chunks(travel, c, n_local)
+            kk, vv, pk = _chunks(travel, c, n_local, dk)
             for ia, a in enumerate(ids):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a:
@@ -459,17 +464,18 @@ class _ContextParallelAttention(torch.autograd.Function):
         no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind == "fpa" else None
 
         ring = _Ring(group) if world > 1 else None
-        travel = [k, v] + ([phi] if has_field else [])
-        # dK, dV, dphi_K accumulators travel with their keys; after W hops they are back at the owner.
-        grads = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-        if has_field:
-            grads.append(torch.zeros_like(phi))
+        dk, dv = k.shape[-1], v.shape[-1]
+        travel = [torch.cat([k, v], dim=-1)] + ([phi] if has_field else [])
+        # dK | dV | dphi_K of the travelling keys accumulate in one float32 buffer that travels with them
+        # (one message per hop); after W hops it is back at the owner of those keys.
+        acc = k.new_zeros((*k.shape[:-1], dk + dv + int(has_field)), dtype=torch.float32)
         for step in range(world):
             src = (rank - step) % world
             pending = ring.start(travel) if ring is not None and step < world - 1 else None
-            kk, vv, pk = _chunks(travel, c, n_local)
-            gk, gv = grads[0].split(c, -2), grads[1].split(c, -2)  # views: in-place adds write through
-            gp = grads[2].split(c, -1) if has_field else None
+            kk, vv, pk = _chunks(travel, c, n_local, dk)
+            # Views into acc: the in-place adds below write through.
+            gk, gv = acc[..., :dk].split(c, -2), acc[..., dk : dk + dv].split(c, -2)
+            gp = acc[..., -1].split(c, -1) if has_field else None
             for ia, a in enumerate(ids):
                 pmin, parg = prefix[ia]
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
@@ -524,15 +530,17 @@ class _ContextParallelAttention(torch.autograd.Function):
                             dm_pref = g.dm.masked_fill(m_wins, 0.0)
                             dphis_q[ia].scatter_add_(-1, parg[..., s - 1 : s], dm_pref[..., None])
             if ring is not None:
-                grads = ring.shift(grads)
+                (acc,) = ring.shift([acc])
             if pending is not None:
                 ring.wait(pending[1])
                 travel = pending[0]
 
-        dk_t, dv_t = grads[0].to(k.dtype), grads[1].to(v.dtype)
+        dk_t, dv_t = acc[..., :dk].to(k.dtype), acc[..., dk : dk + dv].to(v.dtype)
         du = None
         if has_field and has_u:
-            du = _field_backward(grads[2] + dphi_q, dm_buf, argmin, kind, field, ids, group, world, layout)
+            du = _field_backward(
+                acc[..., -1] + dphi_q, dm_buf, argmin, kind, field, ids, group, world, layout
+            )
         return dq.to(q.dtype), dk_t, dv_t, du, None, None, None, None, None, None
 
 
