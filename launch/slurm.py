@@ -167,14 +167,22 @@ def origin_comment(cfg: RunConfig, what: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-def render_sbatch(cfg: RunConfig, config_paths: list[str], overrides: list[str], stage: str) -> str:
+def render_sbatch(
+    cfg: RunConfig,
+    config_paths: list[str],
+    overrides: list[str],
+    stage: str,
+    *,
+    log_dir: Path | None = None,
+) -> str:
     """The sbatch script of one stage (prepare | train | eval) of the run `cfg` (loaded from
-    config_paths + overrides, which the job passes to `python -m pipeline.cli <stage>` again)."""
+    config_paths + overrides, which the job passes to `python -m pipeline.cli <stage>` again).
+    Logs go to log_dir (default <run_dir>/slurm), which must exist before submission."""
     if stage not in STAGES:
         raise LaunchError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
     if stage == "train":
         derive(cfg, world_size(cfg))  # parallel layout errors at submit time, not after queueing
-    log_dir = cfg.run_dir.resolve() / "slurm"
+    log_dir = (log_dir or cfg.run_dir / "slurm").resolve()
     threads = cfg.slurm.cpus_per_task // (workers_per_task(cfg) if stage == "train" else 1)
     values = {
         "SBATCH": "\n".join(sbatch_lines(cfg, stage, log_dir)),

@@ -273,7 +273,7 @@ def run_sweep(
     for i, run in enumerate(_data_groups(sweep)):
         cfg = load_config(sweep.configs, run.overrides)
         script = out / f"prepare-{i}.sbatch"
-        script.write_text(render_sbatch(cfg, sweep.configs, run.overrides, "prepare"))
+        script.write_text(render_sbatch(cfg, sweep.configs, run.overrides, "prepare", log_dir=out))
         scripts.append(script)
     array = out / "array.sbatch"
     array.write_text(render_array(sweep, run_list))

@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,14 +141,24 @@ def wait_until(
             problem = f"job {job} ended ({job_records(job)[0].get('JobState')})"
             break
         time.sleep(poll)
-    tails = "\n".join(f"--- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
     queue = subprocess.run(["squeue"], capture_output=True, text=True).stdout
-    pytest.fail(f"{problem} waiting for {what}\n{queue}\n{tails}")
+    pytest.fail(f"{problem} waiting for {what}\n{queue}\n{tails(logs)}")
+
+
+def tails(logs: list[Path]) -> str:
+    """The ends of the given log files, and of the .out/.err files in the given directories."""
+    files: list[Path] = []
+    for p in logs:
+        files += sorted(p.glob("*.out")) + sorted(p.glob("*.err")) if p.is_dir() else [p]
+    return "\n".join(f"--- {p}:\n{p.read_text()[-3000:]}" for p in files if p.is_file())
 
 
 def wait_done(job_id: str, timeout: float, logs: list[Path] = ()) -> list[dict[str, str]]:
     def done():
         recs = job_records(job_id)
+        # A job whose dependency failed would pend forever: report it as it is.
+        if any(r.get("Reason") == "DependencyNeverSatisfied" for r in recs):
+            return recs
         return recs if recs and all(r.get("JobState") in TERMINAL for r in recs) else None
 
     return wait_until(f"job {job_id} to finish", done, timeout, logs)
@@ -165,14 +176,9 @@ def release_requeued(job_id: str, restarts: int, timeout: float, logs: list[Path
 
 
 def assert_completed(records: list[dict[str, str]], logs: list[Path]) -> None:
-    bad = [r for r in records if r.get("JobState") != "COMPLETED"]
+    bad = [(r["JobId"], r["JobState"], r.get("Reason")) for r in records if r.get("JobState") != "COMPLETED"]
     if bad:
-        tails = "\n".join(f"--- {p}:\n{p.read_text()[-4000:]}" for p in logs if p.exists())
-        pytest.fail(f"jobs not COMPLETED: {[(r['JobId'], r['JobState']) for r in bad]}\n{tails}")
-
-
-def stage_logs(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "slurm").glob("*.out")) + sorted((run_dir / "slurm").glob("*.err"))
+        pytest.fail(f"jobs not COMPLETED: {bad}\n{tails(logs)}")
 
 
 @pytest.fixture(scope="module")
@@ -213,53 +219,58 @@ sys.exit(3)  # the signal never came
 """
 
 
-@pytest.mark.slow
-def test_time_limit_usr1_reaches_workers_requeues_and_reruns(cluster: Path, tmp_path: Path) -> None:
-    pwn = tmp_path / "PWNED"
-    runs = tmp_path / f"runs 50% $(touch {pwn})"
-    marks = tmp_path / "marks"
+@pytest.fixture(scope="module", autouse=True)
+def probe_job(cluster: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Submitted before the other tests of this module and checked by the last one: the time-limit
+    signal takes up to ~30 s (slurmctld checks limits periodically), so it waits while they run.
+    A thread lets the requeued job start again at once instead of after Slurm's two-minute hold."""
+    tmp = tmp_path_factory.mktemp("probe")
+    pwn = tmp / "PWNED"
+    marks = tmp / "marks"
     marks.mkdir()
-    probe = tmp_path / "probe.py"
+    probe = tmp / "probe.py"
     probe.write_text(PROBE)
     over = [
-        f"runs_dir={runs}",
+        f"runs_dir={tmp / f'runs 50% $(touch {pwn})'}",
         f"name=p b$(touch {pwn})'%j",
         "slurm.tasks_per_node=2",  # two torchrun agents: a two-"node" c10d rendezvous on one machine
         "slurm.nproc_per_node=1",
         "slurm.cpus_per_task=1",
         "slurm.time=1:00",  # one minute ...
-        "slurm.signal_seconds=59",  # ... and USR1 59 s before its end (Slurm checks about every 30 s)
+        "slurm.signal_seconds=59",  # ... and USR1 59 s before its end
     ]
     cfg = load_config([], over)
     script = sl.render_sbatch(cfg, [], over, "train")
     assert script.count("-m pipeline.cli train ") == 1
-    script = script.replace("-m pipeline.cli train ", f"{probe} {marks} ")  # the probe, same launch
-    path = tmp_path / "train.sbatch"
-    path.write_text(script)
+    path = tmp / "train.sbatch"
+    path.write_text(script.replace("-m pipeline.cli train ", f"{probe} {marks} "))  # same launch, probe
     log_dir = cfg.run_dir / "slurm"
     log_dir.mkdir(parents=True)  # sbatch does not create it (launch_slurm does)
     job = sl.sbatch_submit(path)
-    logs = [log_dir / f"train-{job}.out", log_dir / f"train-{job}.err"]
+    info: dict = {
+        "job": job,
+        "tmp": tmp,
+        "marks": marks,
+        "logs": [log_dir / f"train-{job}.{e}" for e in ("out", "err")],
+    }
 
-    wait_until("USR1 in both workers", lambda: len(list(marks.glob("usr1.*"))) == 2, 75, logs, job)
-    release_requeued(job, 1, 30, logs)
-    assert_completed(wait_done(job, 60, logs), logs)
+    def release() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rec = (job_records(job) or [{}])[0]
+            if rec.get("JobState") == "PENDING" and rec.get("Restarts") == "1":
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+                info["released"] = True
+                return
+            if rec.get("JobState") in TERMINAL:
+                return
+            time.sleep(0.25)
 
-    got = sorted(p.name for p in marks.iterdir())
-    assert got == [
-        "parent_alive.r0.a0",
-        "parent_alive.r1.a0",
-        "start.r0.a0",
-        "start.r0.a1",
-        "start.r1.a0",
-        "start.r1.a1",
-        "usr1.r0.a0",
-        "usr1.r1.a0",
-    ]
-    assert all((marks / n).read_text() == "2" for n in got)  # WORLD_SIZE 2 from the rendezvous
-    out = logs[0].read_text()  # appended across the requeue, at the literal hostile path
-    assert ", restart 0" in out and ", restart 1" in out, out
-    assert not list(tmp_path.glob("PWNED*"))
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    info["thread"] = thread
+    yield info
+    thread.join(timeout=1)
 
 
 # -- the real pipeline -------------------------------------------------------------------------------
@@ -274,7 +285,7 @@ def test_launch_chain_trains_on_two_agents_requeues_resumes_then_evaluates(
         "name=chain",
         "slurm.tasks_per_node=2",
         "slurm.nproc_per_node=1",
-        "train.max_steps=120",
+        "train.max_steps=40",
         "train.checkpoint.every=4",
     ]
     ids = sl.launch_slurm([str(fast_yaml)], over, dry_run=False)
@@ -285,25 +296,25 @@ def test_launch_chain_trains_on_two_agents_requeues_resumes_then_evaluates(
     # Preempt the trainer once it has a checkpoint: the same delivery as the time-limit warning
     # (slurmctld signals every process of the job's steps; the batch shell is left alone).
     wait_until(
-        "the first checkpoint", lambda: (ckpts / "global_step4").is_dir(), 120, stage_logs(run_dir), train
+        "the first checkpoint", lambda: (ckpts / "global_step4").is_dir(), 120, [run_dir / "slurm"], train
     )
     subprocess.run(["scancel", "--signal=USR1", train], check=True)
-    release_requeued(train, 1, 60, stage_logs(run_dir))
-    records = {r: wait_done(r, 150, stage_logs(run_dir))[0] for r in ids}
-    assert_completed(list(records.values()), stage_logs(run_dir))
+    release_requeued(train, 1, 60, [run_dir / "slurm"])
+    records = {r: wait_done(r, 150, [run_dir / "slurm"])[0] for r in ids}
+    assert_completed(list(records.values()), [run_dir / "slurm"])
 
     out = (run_dir / "slurm" / f"train-{train}.out").read_text()
     assert "train: 2 agents x 1 workers" in out and ", restart 0" in out and ", restart 1" in out
     m = re.search(r"\[train\] preempted: checkpoint (\S+) written", out)
     assert m, out
     preempted_at = int(re.search(r"global_step(\d+)", m.group(1)).group(1))
-    assert 4 <= preempted_at < 120
+    assert 4 <= preempted_at < 40
     assert f"resumed from {m.group(1)} at step {preempted_at}" in out
-    assert (ckpts / "latest").read_text().strip() == "global_step120"
-    meta = json.loads((ckpts / "global_step120" / "COMPLETE").read_text())
+    assert (ckpts / "latest").read_text().strip() == "global_step40"
+    meta = json.loads((ckpts / "global_step40" / "COMPLETE").read_text())
     assert meta["world_size"] == 2
     manifest = json.loads((run_dir / "manifests" / "train.json").read_text())
-    assert manifest["status"] == "done" and manifest["result"]["steps"] == 120
+    assert manifest["status"] == "done" and manifest["result"]["steps"] == 40
 
     # afterok held eval back through the requeue: it starts only after the second train attempt ended.
     assert records[evaluate]["StartTime"] >= records[train]["EndTime"]
@@ -332,16 +343,16 @@ grid:
     runs = expand_sweep(sweep)
     ids = run_sweep(sweep, mode="slurm")
     assert len(ids) == 2  # one prepare job for the shared data dir, one array
-    sweep_logs = tmp_path / "runs" / "sweeps" / "mini" / "slurm"
-    logs = sorted(sweep_logs.glob("*.out")) + sorted(sweep_logs.glob("*.err"))
+    logs = [tmp_path / "runs" / "sweeps" / "mini" / "slurm"]
     records = [wait_done(i, 150, logs) for i in ids]
-    elements = records[1]
-    assert sorted(r["ArrayTaskId"] for r in elements) == ["0", "1"]
-    assert_completed(records[0] + elements, sorted(sweep_logs.glob("*.*")))
+    assert_completed(records[0] + records[1], logs)
+    assert sorted(r["ArrayTaskId"] for r in records[1]) == ["0", "1"]
 
     for run in runs:
         manifest = json.loads((run.run_dir / "manifests" / "train.json").read_text())
-        assert manifest["status"] == "done" and manifest["inputs"]["world_size"] == 2
+        assert manifest["status"] == "done" and manifest["result"]["steps"] == 6
+        meta = json.loads((run.run_dir / "checkpoints" / "global_step6" / "COMPLETE").read_text())
+        assert meta["world_size"] == 2
         assert not (run.run_dir / "data").exists()  # the shared copy was used
     out = collect_sweep(sweep)
     rows = (out / "results.csv").read_text().splitlines()
@@ -359,3 +370,28 @@ def test_cluster_script_status_reports_the_daemons(cluster: Path) -> None:
     assert re.search(r"slurmctld: running \(pid \d+\)", proc.stdout)
     assert re.search(r"slurmd: running \(pid \d+\)", proc.stdout)
     assert "idle" in proc.stdout or "mix" in proc.stdout or "alloc" in proc.stdout
+
+
+@pytest.mark.slow
+def test_time_limit_usr1_reaches_workers_requeues_and_reruns(probe_job: dict) -> None:
+    job, marks, logs = probe_job["job"], probe_job["marks"], probe_job["logs"]
+    wait_until("USR1 in both workers", lambda: len(list(marks.glob("usr1.*"))) == 2, 90, logs, job)
+    probe_job["thread"].join(timeout=60)
+    assert probe_job.get("released"), f"job {job} was not requeued: {job_records(job)}"
+    assert_completed(wait_done(job, 60, logs), logs)
+
+    got = sorted(p.name for p in marks.iterdir())
+    assert got == [
+        "parent_alive.r0.a0",
+        "parent_alive.r1.a0",
+        "start.r0.a0",
+        "start.r0.a1",
+        "start.r1.a0",
+        "start.r1.a1",
+        "usr1.r0.a0",
+        "usr1.r1.a0",
+    ]
+    assert all((marks / n).read_text() == "2" for n in got)  # WORLD_SIZE 2 from the rendezvous
+    out = logs[0].read_text()  # appended across the requeue, at the literal hostile path
+    assert ", restart 0" in out and ", restart 1" in out, out
+    assert not list(probe_job["tmp"].glob("PWNED*"))
