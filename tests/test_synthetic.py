@@ -165,3 +165,12 @@ def test_bad_names_are_reported(tmp_path) -> None:
         run_synthetic(tmp_path, kinds=["mamba"], log=None)
     with pytest.raises(SystemExit):
         main(["--seeds", "0", "--out", str(tmp_path)])
+
+
+def test_main_runs_a_tiny_grid(tmp_path, capsys) -> None:
+    out = tmp_path / "synth"
+    rc = main(["--tasks", "recency", "--kinds", "softmax", "--seeds", "1", "--steps", "5", "--out", str(out)])
+    assert rc == 0
+    assert "| recency | softmax | 0 |" in capsys.readouterr().out
+    rec = json.loads((out / "results.json").read_text())["runs"][0]
+    assert rec["steps"] == 5 and rec["token_increments"] is None  # softmax has no field
