@@ -304,6 +304,8 @@ def evaluate(
             total += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
     finally:
         engine.train()
+        if hasattr(loader, "close"):
+            loader.close()
     total = _all_reduce_sum(total, device)
     if total[1] == 0:
         raise TrainingError("the validation loader yields no batches")
@@ -599,6 +601,8 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     finally:
         stop.restore()
         logger.finish()
+        if hasattr(loader, "close"):  # read-ahead threads of ShardLoader
+            loader.close()
 
 
 def _append_jsonl_rank0(is_main: bool, path: Path, record: dict[str, Any]) -> None:

@@ -1,0 +1,277 @@
+"""Pieces of training without a full run: checkpoint bookkeeping, launcher environments, requeue, loggers,
+the DeepSpeed config; plus one end-to-end run of `python -m pipeline.train` on real prepared shards."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import checkpoint as ck
+from pipeline import distributed as du
+from pipeline.config import RunConfig, derive, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoint bookkeeping
+
+
+def _fake_ckpt(root: Path, step: int, complete: bool = True) -> Path:
+    d = root / ck.tag_for(step)
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        (d / ck.COMPLETE).write_text(json.dumps({"step": step, "world_size": 1}))
+    return d
+
+
+def test_find_latest_skips_incomplete_and_stale_latest(tmp_path):
+    assert ck.find_latest(tmp_path) is None
+    _fake_ckpt(tmp_path, 4)
+    _fake_ckpt(tmp_path, 8)
+    _fake_ckpt(tmp_path, 12, complete=False)  # a save cut off by a kill
+    assert ck.find_latest(tmp_path) == tmp_path / "global_step8"
+    (tmp_path / ck.LATEST).write_text("global_step12")  # points at the incomplete one
+    assert ck.find_latest(tmp_path) == tmp_path / "global_step8"
+    (tmp_path / ck.LATEST).write_text("global_step4")  # stale: a newer complete one exists
+    assert ck.find_latest(tmp_path) == tmp_path / "global_step8"
+    assert ck.resolve_resume("auto", tmp_path) == tmp_path / "global_step8"
+    assert ck.resolve_resume("none", tmp_path) is None
+    assert ck.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == tmp_path / "global_step8"
+    with pytest.raises(ck.CheckpointError, match="incomplete"):
+        ck.resolve_resume(str(tmp_path / "global_step12"), tmp_path)
+    with pytest.raises(ck.CheckpointError, match="no such checkpoint"):
+        ck.resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_prune_keeps_last_complete_and_drops_old_partials(tmp_path):
+    for s in (2, 4, 6):
+        _fake_ckpt(tmp_path, s)
+    _fake_ckpt(tmp_path, 3, complete=False)
+    (tmp_path / "global_step2_universal").mkdir()
+    _fake_ckpt(tmp_path, 8)
+    ck._prune(tmp_path, keep_last=2, current=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step6", "global_step8"]
+
+
+def test_rng_state_round_trip():
+    import numpy as np
+    import torch
+
+    state = ck.rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    ck.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers, requeue
+
+
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    # setenv first so monkeypatch records every variable setup_env may write, and restores it after.
+    for k in {*_DIST_VARS, *(k for k in os.environ if k.startswith("SLURM_"))}:
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def test_setup_env_from_slurm(clean_env):
+    clean_env.setenv("PATH", "/nonexistent")  # no scontrol: the fallback nodelist parser is used
+    for k, v in {
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_ID": "77",
+    }.items():
+        clean_env.setenv(k, v)
+    clean_env.setenv("SLURM_JOB_NODELIST", "gpu[03-04],cpu9")
+    assert du.setup_env() == "slurm"
+    env = os.environ
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("3", "1", "4", "gpu03")
+    port = int(env["MASTER_PORT"])
+    assert 20000 <= port < 40000
+
+
+def test_setup_env_single_process_and_torchrun(clean_env):
+    assert du.setup_env() == "single"
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1") and int(os.environ["MASTER_PORT"]) > 0
+    for k in _DIST_VARS:
+        clean_env.delenv(k)
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("LOCAL_RANK", "1")
+    assert du.setup_env() == "torchrun"
+    assert os.environ["RANK"] == "1"
+
+
+def test_requeue_command_is_overridable(clean_env, tmp_path):
+    from pipeline.train import REQUEUE_ENV, requeue_slurm_job
+
+    assert requeue_slurm_job() is None  # not under Slurm: nothing to do
+    clean_env.setenv("SLURM_JOB_ID", "991")
+    clean_env.setenv(REQUEUE_ENV, f"echo requeue {{job_id}} > {tmp_path / 'out'}")
+    assert requeue_slurm_job() == f"echo requeue 991 > {tmp_path / 'out'}"
+    assert (tmp_path / "out").read_text().strip() == "requeue 991"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loggers
+
+
+def test_console_logger_lines_and_tables():
+    from pipeline.logging import ConsoleLogger
+
+    buf = io.StringIO()
+    lg = ConsoleLogger(progress=False, stream=buf)
+    lg.log({"train/loss": 2.5, "perf/mfu": 0.0001234, "n": 3}, step=7)
+    lg.log_table("passkey", ["len", "acc"], [[256, 1.0], [2048, 0.5]])
+    lg.summary({"final": 1.25})
+    lg.finish()
+    out = buf.getvalue().splitlines()
+    assert out[0] == "step 7: train/loss=2.5000 perf/mfu=1.234e-04 n=3"
+    assert out[1] == "== passkey ==" and out[3].split() == ["256", "1.0000"]
+    assert out[-1] == "summary: final=1.2500"
+
+
+def test_make_logger_rank_nonzero_is_noop(tmp_path):
+    from pipeline.logging import RunLogger, make_logger
+
+    cfg = RunConfig(runs_dir=str(tmp_path))
+    lg = make_logger(cfg, rank=1, run_id="abc")
+    assert type(lg) is RunLogger
+    lg.log({"x": 1}, 0)
+    lg.finish()
+    assert not any(tmp_path.iterdir())  # nothing written by a non-zero rank
+
+
+def test_wandb_offline_run_records_and_resumes(tmp_path):
+    from pipeline.logging import find_wandb_files, make_logger, read_wandb_file
+
+    cfg = load_config(
+        [], [f"runs_dir={tmp_path}", "name=wb", "logging.quiet_wandb=true", "logging.progress=false"]
+    )
+    lg = make_logger(cfg, rank=0, run_id=None)
+    rid = lg.run_id
+    assert rid and len(rid) == 8
+    for s in (1, 2, 3):
+        lg.log({"train/loss": 1.0 / s, "train/lr": 0.1}, step=s)
+    lg.log_table("grid", ["a", "b"], [[1, 2]])
+    lg.summary({"final/loss": 0.25})
+    lg.finish()
+    lg2 = make_logger(cfg, rank=0, run_id=rid)  # a resumed job: the same run continues
+    assert lg2.run_id == rid
+    lg2.log({"train/loss": 0.2}, step=4)
+    lg2.finish()
+
+    files = find_wandb_files(cfg.run_dir, rid)
+    assert len(files) == 2
+    first, second = read_wandb_file(files[0]), read_wandb_file(files[1])
+    losses = {r["_step"]: r["train/loss"] for r in first["history"] if "train/loss" in r}
+    assert losses == {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)}
+    assert first["summary"]["final/loss"] == 0.25
+    assert first["config"]["model"]["n_layer"] == cfg.model.n_layer
+    assert "git_sha" in first["config"]
+    assert [r["train/loss"] for r in second["history"] if "train/loss" in r] == [0.2]
+    assert second["run_id"] == rid
+
+
+# ----------------------------------------------------------------------------------------------------
+# DeepSpeed config
+
+
+def test_deepspeed_config_and_param_groups():
+    from fpa_model.model import GPT
+    from pipeline.train import deepspeed_config, param_groups
+
+    cfg = load_config(
+        [], ["train.precision=bf16", "train.zero_stage=2", "train.grad_accum=3", "model.vocab_size=64"]
+    )
+    ds = deepspeed_config(cfg, derive(cfg, world_size=4))
+    assert ds["train_batch_size"] == cfg.train.micro_batch * 3 * 4
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["bf16"] == {"enabled": True}
+    assert ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["zero_optimization"]["stage"] == 2 and ds["checkpoint"]["load_universal"] is False
+    groups = param_groups(GPT(cfg.model), 0.1)
+    assert all(p.dim() >= 2 for p in groups[0]["params"]) and groups[1]["weight_decay"] == 0.0
+    assert all(p.dim() == 1 for p in groups[1]["params"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end on real prepared shards
+
+
+@pytest.mark.slow
+def test_train_main_on_prepared_shards(tmp_path):
+    """`python -m pipeline.train`: vocab from the data index, real ShardLoader, validation, checkpoint."""
+    from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
+    from data_prep.index import load_index
+    from data_prep.prepare import prepare_data
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(40)]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for _ in range(120):
+            start = rng.randrange(len(words))
+            text = " ".join(words[(start + i) % len(words)] for i in range(rng.randint(20, 60)))
+            f.write(json.dumps({"text": text}) + "\n")
+    dcfg = DataConfig(
+        train=SourceConfig(type="jsonl", paths=[str(tmp_path / "c.jsonl")]),
+        val_fraction=0.1,
+        tokenizer=TokenizerConfig(vocab_size=300),
+        seq_len=32,
+        sequences_per_member=8,
+        sequences_per_shard=32,
+    )
+    prepare_data(dcfg, tmp_path / "data", progress=False)
+    vocab = load_index(tmp_path / "data").vocab_size
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(
+        f"""
+name: real
+runs_dir: {tmp_path / "runs"}
+model: {{n_layer: 1, n_head: 2, d_model: 32, max_seq_len: 64}}
+data:
+  out_dir: {tmp_path / "data"}
+  seq_len: 32
+train: {{micro_batch: 4, max_steps: 10, lr: 1.0e-2, warmup_steps: 2, log_every: 5, val_every: 5,
+         val_batches: 2, checkpoint: {{every: 5}}}}
+logging: {{wandb_mode: disabled, progress: false}}
+"""
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.train", str(cfg_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("[train] summary "))
+    summary = json.loads(line[len("[train] summary ") :])
+    assert summary["steps"] == 10 and summary["val_loss"] is not None
+    recs = [json.loads(x) for x in (tmp_path / "runs" / "real" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
+    state = ck.read_meta(Path(summary["checkpoint"]))
+    assert state is not None and state["step"] == 10
+    # The resolved config in the checkpoint carries the vocab size read from the data index.
+    import torch
+
+    client = torch.load(Path(summary["checkpoint"]) / "mp_rank_00_model_states.pt", weights_only=False)
+    assert f"vocab_size: {vocab}" in client["config_yaml"]
