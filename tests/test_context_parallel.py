@@ -42,6 +42,7 @@ CASES = (
     [("ring", layout, kind, field) for layout in ("zigzag", "contiguous") for kind, field in ALL_KINDS]
     + [("ulysses", "zigzag", kind, field) for kind, field in ALL_KINDS]
     + [("ulysses", "contiguous", "fpa", "walk")]
+    + [("ring", layout, "fpa", "ties") for layout in ("zigzag", "contiguous")]
 )
 
 
@@ -58,6 +59,8 @@ def _make_inputs(kind: str, field: str, seed: int, seq: int = SEQ) -> dict[str, 
     # walk: a signed random walk whose dips land on every rank (M and its argmin cross rank borders);
     # gate: pre-activations of the log forget gate; direct: the field itself.
     t["pre"] = torch.randn(b, h, seq, generator=g, dtype=torch.float64) * (2.0 if field == "direct" else 1.0)
+    if field == "ties":  # a direct field on 3 levels: equal minima everywhere test the lowest-index rule
+        t["pre"] = torch.randint(0, 3, (b, h, seq), generator=g).double()
     return t
 
 
@@ -68,7 +71,7 @@ def _field_of(pre: torch.Tensor, field: str) -> torch.Tensor:
 def _reference(t: dict[str, torch.Tensor], kind: str, field: str) -> dict[str, torch.Tensor]:
     leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
     u = _field_of(leaves["pre"], field)
-    phi = u.cumsum(-1) if field in ("walk", "gate") else u
+    phi = u.cumsum(-1) if field in ("walk", "gate") else u  # direct and ties: u is the field
     out = fpa_attention_naive(
         leaves["q"], leaves["k"], leaves["v"], None if kind == "softmax" else phi, kind=kind
     )
@@ -93,7 +96,8 @@ def _run_case(
     u = None if kind == "softmax" else _field_of(leaves["pre"], field)
     attention = context_parallel_attention if mode == "ring" else ulysses_attention
     out = attention(
-        leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field=field, group=None, block_size=BLOCK,
+        leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field="direct" if field == "ties" else field,
+        group=None, block_size=BLOCK,
         layout=layout,
     )  # fmt: skip
     out.backward(loc["dout"])
