@@ -96,6 +96,11 @@ def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -
         "checkpoint": {"load_universal": load_universal},
     }
     if tc.precision == "bf16":
+        if tc.zero_stage == 0:
+            raise ConfigError(
+                "train.precision=bf16 needs train.zero_stage >= 1: DeepSpeed's ZeRO-0 cannot accumulate "
+                "bf16 gradients in fp32 (and drifts in bf16); ZeRO-1 costs nothing extra on one rank"
+            )
         ds["bf16"] = {"enabled": True}
         # bf16 gradient accumulation drifts; accumulate in fp32 (ENVIRONMENT.md).
         ds["data_types"] = {"grad_accum_dtype": "fp32"}

@@ -261,3 +261,12 @@ def test_export_consolidates_zero2_two_rank_checkpoint(reference, two_rank, tmp_
     m1 = load_exported(export(cfg, reference[0] / "checkpoints" / "global_step8", tmp_path / "e1"))
     for (k, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+def test_bf16_zero1_tracks_fp32(cfg_path, reference, tmp_path):
+    """bf16 weights/activations with fp32 gradient accumulation stay close to the fp32 curve."""
+    run_training(cfg_path, [*BASE, "train.precision=bf16", "train.zero_stage=1", f"runs_dir={tmp_path}"])
+    got, ref = losses(tmp_path / "t"), losses(reference[0])
+    assert got[12] < got[1] - 0.3
+    assert_same_curve(ref, got, tol=0.03)
