@@ -215,6 +215,7 @@ class SynthConfig:
     eval_every: int = 50
     eval_sequences: int = 512
     target_acc: float = 0.98  # "converged": final held-out accuracy at least this
+    long_mult: int = 4  # the trained model is also scored on sequences this many times longer (0: skip)
     # fpa_attention implementation. naive, not auto (= chunked on CPU): at T=32, batch 64 one fwd+bwd takes
     # 4.4 ms naive vs 13.0 ms chunked for fpa (2.5 vs 5.8 for fox); they cross near T=128.
     impl: str = "naive"
@@ -297,10 +298,11 @@ def evaluate(model: nn.Module, task: Task, batch: Batch) -> float:
 EVAL_SEED = 20_261_202  # one held-out set per task (and config), shared by every kind and seed
 
 
-def eval_batch_for(task: Task, cfg: SynthConfig) -> Batch:
+def eval_batch_for(task: Task, cfg: SynthConfig, seq_len: int | None = None) -> Batch:
     """The held-out set: independent of the training seed, so every run of a task is scored on the same
     sequences (training streams use default_rng([seed, 1]) and never meet this one)."""
-    return task.generate(np.random.default_rng([EVAL_SEED, 2]), cfg.eval_sequences, cfg.seq_len, cfg.n_values)
+    t = cfg.seq_len if seq_len is None else seq_len
+    return task.generate(np.random.default_rng([EVAL_SEED, 2, t]), cfg.eval_sequences, t, cfg.n_values)
 
 
 def train_one(task: Task, kind: str, seed: int, cfg: SynthConfig) -> dict:
@@ -348,6 +350,12 @@ def train_one(task: Task, kind: str, seed: int, cfg: SynthConfig) -> dict:
         "seed": seed,
         "steps": cfg.steps,
         "final_acc": final,
+        # Length generalization: the same weights on sequences long_mult times longer than in training.
+        "long_acc": (
+            evaluate(model, task, eval_batch_for(task, cfg, cfg.seq_len * cfg.long_mult))
+            if cfg.long_mult > 0
+            else None
+        ),
         "best_acc": max(a for _, a in curve),
         "converged": final >= cfg.target_acc,
         "first_step_at_target": first_hit,
@@ -517,6 +525,7 @@ _FIELDS = (
     "steps",
     "final_acc",
     "best_acc",
+    "long_acc",
     "converged",
     "first_step_at_target",
     "final_loss",
@@ -587,6 +596,22 @@ def format_markdown(records: list[dict], cfg: SynthConfig, constructed: dict, ch
             cells.append(f"{conv}/{len(rs)}, {np.mean(accs):.3f} [{min(accs):.3f}]")
         built = f"{constructed[t]:.3f}" if t in constructed else "-"
         lines.append(f"| {t} | " + " | ".join(cells) + f" | {chance.get(t, float('nan')):.3f} | {built} |")
+    if any(r.get("long_acc") is not None for r in records):
+        lines += [
+            "",
+            f"## Length generalization: the same weights at T={cfg.seq_len * cfg.long_mult} "
+            f"({cfg.long_mult}x training length), mean accuracy [min]",
+            "",
+            "| task | " + " | ".join(kinds) + " |",
+            "|---" * (len(kinds) + 1) + "|",
+        ]
+        for t in tasks:
+            cells = []
+            for k in kinds:
+                accs = [r["long_acc"] for r in records if r["task"] == t and r["kind"] == k]
+                accs = [a for a in accs if a is not None]
+                cells.append(f"{np.mean(accs):.3f} [{min(accs):.3f}]" if accs else "-")
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
     learned = [r for r in records if r["kind"] == "fpa" and r.get("token_increments")]
     if learned:
         lines += ["", "## Learned FPA field steps u per token (first seed of each task, per head)", ""]
@@ -601,12 +626,14 @@ def format_markdown(records: list[dict], cfg: SynthConfig, constructed: dict, ch
         "",
         "## Runs",
         "",
-        "| task | kind | seed | final acc | best acc | converged | step at target | s |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| task | kind | seed | final acc | best acc | acc at {cfg.long_mult}x length | converged "
+        "| step at target | s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
             f"| {r['task']} | {r['kind']} | {r['seed']} | {r['final_acc']:.3f} | {r['best_acc']:.3f} | "
+            f"{'-' if r.get('long_acc') is None else format(r['long_acc'], '.3f')} | "
             f"{'yes' if r['converged'] else 'no'} | {r['first_step_at_target'] or '-'} | {r['seconds']:.1f} |"
         )
     return "\n".join(lines) + "\n"
