@@ -79,10 +79,20 @@ class TrainConfig:
 class ParallelConfig:
     sequence: int = 1  # sequence-parallel degree (ranks sharing one sequence)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    # ring: K/V/phi passed around the sp ranks (fpa_model.context_parallel); ulysses: all-to-all over heads
+    sequence_mode: str = "ring"
+    # zigzag: rank r holds chunks r and 2W-1-r of 2W (balanced causal work); contiguous: chunk r of W
+    sequence_layout: str = "zigzag"
 
     def __post_init__(self) -> None:
         if self.sequence < 1:
             raise ValueError(f"parallel.sequence must be >= 1; got {self.sequence}")
+        if self.sequence_mode not in ("ring", "ulysses"):
+            raise ValueError(f"parallel.sequence_mode must be ring or ulysses; got {self.sequence_mode!r}")
+        if self.sequence_layout not in ("zigzag", "contiguous"):
+            raise ValueError(
+                f"parallel.sequence_layout must be zigzag or contiguous; got {self.sequence_layout!r}"
+            )
 
 
 @dataclass
@@ -269,8 +279,11 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
     if world_size % sp:
         raise ConfigError(f"world size {world_size} is not divisible by parallel.sequence={sp}")
     dp = world_size // sp
-    if sp > 1 and cfg.data.seq_len % sp:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}")
+    # The zigzag layout cuts the sequence into 2 * sp chunks.
+    n_chunks = 2 * sp if cfg.parallel.sequence_layout == "zigzag" else sp
+    if sp > 1 and cfg.data.seq_len % n_chunks:
+        zz = f" x 2 (parallel.sequence_layout=zigzag cuts {n_chunks} chunks)" if n_chunks != sp else ""
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}{zz}")
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp
     return Derived(
         world_size=world_size,
