@@ -35,8 +35,9 @@ SRUN_STUB = """#!/bin/bash
 while [[ "$1" == --* ]]; do echo "$1" >> {log}; shift; done
 exec "$@"
 """
+# A long node list: a script that pipes it into `head` under pipefail dies of SIGPIPE here.
 SCONTROL_STUB = """#!/bin/bash
-[[ "$1 $2" == "show hostnames" ]] && {{ echo node1; echo node2; exit 0; }}
+[[ "$1 $2" == "show hostnames" ]] && {{ for i in $(seq 1 20000); do echo "node$i"; done; exit 0; }}
 echo "scontrol $*" >> {log}
 """
 

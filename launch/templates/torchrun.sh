@@ -1,6 +1,8 @@
 # One torchrun agent per Slurm task; agents meet at a c10d rendezvous hosted on the first node
 # (no ssh, no pdsh). The port is derived from the job id so jobs sharing a node do not clash.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# (No pipe into head: with pipefail, scontrol's SIGPIPE on a long node list would abort the job.)
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${nodes[0]}
 rdzv_port={{RDZV_PORT}}
 echo "fpa: job ${SLURM_JOB_ID} train: ${SLURM_NTASKS} agents x {{NPROC}} workers, rendezvous ${head_node}:${rdzv_port}," \
     "restart ${SLURM_RESTART_COUNT:-0}"
