@@ -233,25 +233,23 @@ class _Ring:
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def start(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[Any]]:
-        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
+    def start(self, tensors: Sequence[Tensor], tag: int = 0) -> tuple[list[Tensor], list[Any]]:
+        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous.
+
+        Exchanges in flight at the same time (K/V and gradient accumulators) use distinct tags.
+        """
         tensors = [t.contiguous() for t in tensors]  # p2p needs dense buffers (q/k/v are permuted views)
         recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for t, r in zip(tensors, recv):
-            ops.append(dist.P2POp(dist.isend, t, self.next, self.group))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group))
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag))
         return recv, dist.batch_isend_irecv(ops)
 
     @staticmethod
     def wait(works: list[Any]) -> None:
         for w in works:
             w.wait()
-
-    def shift(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        recv, works = self.start(tensors)
-        self.wait(works)
-        return recv
 
 
 def _ops() -> Any:
@@ -466,13 +464,16 @@ class _ContextParallelAttention(torch.autograd.Function):
         ring = _Ring(group) if world > 1 else None
         dk, dv = k.shape[-1], v.shape[-1]
         travel = [torch.cat([k, v], dim=-1)] + ([phi] if has_field else [])
-        # dK | dV | dphi_K of the travelling keys accumulate in one float32 buffer that travels with them
-        # (one message per hop); after W hops it is back at the owner of those keys.
-        acc = k.new_zeros((*k.shape[:-1], dk + dv + int(has_field)), dtype=torch.float32)
+        # dK | dV | dphi_K of the travelling keys: each step adds its share into a fresh float32 buffer,
+        # then the share that arrived from the previous rank (in flight during the compute), and sends the
+        # sum on (one message per hop). After W hops the total is back at the owner of those keys.
+        acc_shape = (*k.shape[:-1], dk + dv + int(has_field))
+        acc_in = None
         for step in range(world):
             src = (rank - step) % world
             pending = ring.start(travel) if ring is not None and step < world - 1 else None
             kk, vv, pk = _chunks(travel, c, n_local, dk)
+            acc = k.new_zeros(acc_shape, dtype=torch.float32)
             # Views into acc: the in-place adds below write through.
             gk, gv = acc[..., :dk].split(c, -2), acc[..., dk : dk + dv].split(c, -2)
             gp = acc[..., -1].split(c, -1) if has_field else None
@@ -530,10 +531,16 @@ class _ContextParallelAttention(torch.autograd.Function):
                             dm_pref = g.dm.masked_fill(m_wins, 0.0)
                             dphis_q[ia].scatter_add_(-1, parg[..., s - 1 : s], dm_pref[..., None])
             if ring is not None:
-                (acc,) = ring.shift([acc])
+                if acc_in is not None:
+                    ring.wait(acc_in[1])
+                    acc += acc_in[0][0]
+                acc_in = ring.start([acc], tag=1)
             if pending is not None:
                 ring.wait(pending[1])
                 travel = pending[0]
+        if acc_in is not None:
+            ring.wait(acc_in[1])
+            acc = acc_in[0][0]
 
         dk_t, dv_t = acc[..., :dk].to(k.dtype), acc[..., dk : dk + dv].to(v.dtype)
         du = None
