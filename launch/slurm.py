@@ -94,21 +94,19 @@ def sbatch_lines(
     *,
     log_stem: str | None = None,
     array: str | None = None,
-    workdir: Path | None = None,
 ) -> list[str]:
-    """The #SBATCH header of a stage's script. prepare/eval are one process on one node; train and
-    array jobs get the full allocation, --requeue and the USR1 warning signal."""
+    """The #SBATCH header of a stage's job. prepare and eval are one process on one node (one GPU if
+    the run uses GPUs); train gets the full allocation, --requeue and the USR1 warning signal."""
     s = cfg.slurm
-    distributed = stage in ("train", "array")
-    stem = log_stem or f"{stage}-%j"
+    train = stage == "train"
     opts: list[tuple[str, object]] = [("job-name", _job_name(cfg, stage))]
-    if distributed:
+    if train:
         opts += [("nodes", s.nodes), ("ntasks-per-node", s.tasks_per_node)]
     else:
         opts += [("nodes", 1), ("ntasks", 1)]
     opts.append(("cpus-per-task", s.cpus_per_task))
     if s.gpus_per_node:
-        opts.append(("gpus-per-node", s.gpus_per_node if distributed else 1))
+        opts.append(("gpus-per-node", s.gpus_per_node if train else 1))
     if s.mem:
         opts.append(("mem", s.mem))
     opts.append(("time", {"prepare": s.prepare_time, "eval": s.eval_time}.get(stage, s.time)))
@@ -117,20 +115,22 @@ def sbatch_lines(
             opts.append((key, getattr(s, key)))
     if array:
         opts.append(("array", array))
+    stem = log_stem or f"{stage}-%j"
     opts += [
         ("output", _log_pattern(log_dir, f"{stem}.out")),
         ("error", _log_pattern(log_dir, f"{stem}.err")),
         ("open-mode", "append"),  # a requeued job adds to its log instead of truncating it
-        ("chdir", workdir or Path.cwd()),
+        ("chdir", Path.cwd()),  # relative paths in the config mean what they meant at submission
     ]
     lines = [f"#SBATCH --{k}={q(_one_line(str(v), f'slurm option --{k}'))}" for k, v in opts]
-    if distributed:
+    if train:
         lines += ["#SBATCH --requeue", f"#SBATCH --signal=USR1@{s.signal_seconds}"]
     lines += [f"#SBATCH {_one_line(o, 'slurm.extra_sbatch')}" for o in s.extra_sbatch]
     return lines
 
 
 def preamble(cfg: RunConfig, config_paths: Sequence[str | Path], omp_threads: int) -> str:
+    """Environment (site setup, PYTHONPATH, threads, slurm.env, Triton cache) and $PY, CONFIGS."""
     s = cfg.slurm
     exports = [f"export {k}={q(_one_line(v, f'slurm.env.{k}'))}" for k, v in sorted(s.env.items())]
     return fill(
@@ -144,11 +144,14 @@ def preamble(cfg: RunConfig, config_paths: Sequence[str | Path], omp_threads: in
             "PYTHON": q(s.python or sys.executable),
             "CONFIGS": " ".join(q(Path(p).resolve()) for p in config_paths),
         },
-    )
+    ).rstrip("\n")
 
 
-def torchrun_block(cfg: RunConfig) -> str:
-    """The srun + torchrun lines that start training on every node (uses $PY, CONFIGS, OVERRIDES)."""
+def stage_command(cfg: RunConfig, stage: str) -> str:
+    """The lines that run a stage (using $PY, CONFIGS and OVERRIDES). Training: one torchrun agent per
+    Slurm task, meeting at a c10d rendezvous on the first node."""
+    if stage != "train":
+        return template(f"{stage}.sh").rstrip("\n")
     s = cfg.slurm
     port = str(s.rdzv_port) if s.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
     return fill(
@@ -162,9 +165,34 @@ def torchrun_block(cfg: RunConfig) -> str:
     ).rstrip("\n")
 
 
-def origin_comment(cfg: RunConfig, what: str) -> str:
-    text = f"{what} for run '{cfg.name}', rendered by launch/slurm.py at {time.strftime('%Y-%m-%d %H:%M')}"
-    return "".join(c if c.isprintable() else "?" for c in text)
+def render_job(
+    cfg: RunConfig,
+    config_paths: Sequence[str | Path],
+    stage: str,
+    select: str,
+    *,
+    log_dir: Path,
+    log_stem: str | None = None,
+    array: str | None = None,
+    origin: str,
+) -> str:
+    """A whole sbatch script: header, preamble, `select` (the lines that set OVERRIDES), the stage."""
+    if stage not in STAGES:
+        raise LaunchError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    if stage == "train":
+        derive(cfg, world_size(cfg))  # parallel layout errors at submit time, not after queueing
+    threads = cfg.slurm.cpus_per_task // (workers_per_task(cfg) if stage == "train" else 1)
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    return fill(
+        template("job.sbatch"),
+        {
+            "SBATCH": "\n".join(sbatch_lines(cfg, stage, log_dir, log_stem=log_stem, array=array)),
+            "ORIGIN": "".join(c if c.isprintable() else "?" for c in f"{origin}, rendered {stamp}"),
+            "PREAMBLE": preamble(cfg, config_paths, threads),
+            "SELECT": select.rstrip("\n"),
+            "COMMAND": stage_command(cfg, stage),
+        },
+    )
 
 
 def render_sbatch(
@@ -178,34 +206,28 @@ def render_sbatch(
     """The sbatch script of one stage (prepare | train | eval) of the run `cfg` (loaded from
     config_paths + overrides, which the job passes to `python -m pipeline.cli <stage>` again).
     Logs go to log_dir (default <run_dir>/slurm), which must exist before submission."""
-    if stage not in STAGES:
-        raise LaunchError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-    if stage == "train":
-        derive(cfg, world_size(cfg))  # parallel layout errors at submit time, not after queueing
-    log_dir = (log_dir or cfg.run_dir / "slurm").resolve()
-    threads = cfg.slurm.cpus_per_task // (workers_per_task(cfg) if stage == "train" else 1)
-    values = {
-        "SBATCH": "\n".join(sbatch_lines(cfg, stage, log_dir)),
-        "ORIGIN": origin_comment(cfg, f"{stage} job"),
-        "PREAMBLE": preamble(cfg, config_paths, threads).rstrip("\n"),
-        "OVERRIDES": " ".join(q(o) for o in overrides),
-    }
-    if stage == "train":
-        values["TORCHRUN"] = torchrun_block(cfg)
-    return fill(template(f"{stage}.sbatch"), values)
+    return render_job(
+        cfg,
+        config_paths,
+        stage,
+        "OVERRIDES=(" + " ".join(q(o) for o in overrides) + ")",
+        log_dir=(log_dir or cfg.run_dir / "slurm").resolve(),
+        origin=f"{stage} job of run {cfg.name!r}",
+    )
 
 
 # -- submitting --------------------------------------------------------------------------------------
 
 
-def sbatch_submit(script: Path, dependency: Sequence[str] = ()) -> str:
-    """Submit a script with sbatch (afterok on `dependency`); return the job id."""
+def sbatch_submit(script: Path, dependency: Sequence[str] = (), kind: str = "afterok") -> str:
+    """Submit a script with sbatch, to start after the `dependency` jobs (afterok: all succeeded;
+    aftercorr: the array element of the same index succeeded); return the job id."""
     exe = shutil.which("sbatch")
     if exe is None:
         raise LaunchError("sbatch not found on PATH: run this on a Slurm login node (or use --dry-run)")
     cmd = [exe, "--parsable"]
     if dependency:
-        cmd.append("--dependency=afterok:" + ":".join(dependency))
+        cmd.append(f"--dependency={kind}:" + ":".join(dependency))
     cmd.append(str(script))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -15,8 +15,9 @@ A sweep file (configs/sweeps/*.yaml):
 
 Each grid point is a run named <sweep>.<key>-<value>.<key>-<value> (keys by their last component),
 with its own run dir and logging.group = <sweep>. On Slurm, one prepare job per distinct data dir runs
-first, then one job array whose element i trains and evaluates run i (its overrides are line i of
-<runs_dir>/sweeps/<name>/slurm/runs.tsv). `collect_sweep` reads every run's eval/report.json into
+first, then a training job array whose element i trains run i (its overrides are line i of
+<runs_dir>/sweeps/<name>/slurm/runs.tsv), and an eval job array whose element i starts once training
+element i succeeded (aftercorr). `collect_sweep` reads every run's eval/report.json into
 results.md, results.csv and results.png in the same folder.
 """
 
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +44,16 @@ import yaml
 from launch.slurm import (
     LaunchError,
     fill,
-    origin_comment,
-    preamble,
     q,
     record_submission,
+    render_job,
     render_sbatch,
-    sbatch_lines,
     sbatch_submit,
     scancel,
     template,
-    torchrun_block,
-    workers_per_task,
     world_size,
 )
-from pipeline.config import ConfigError, derive, load_config
+from pipeline.config import ConfigError, RunConfig, derive, load_config
 
 SWEEP_KEYS = {"name", "description", "configs", "overrides", "grid", "max_parallel", "local_nproc"}
 Runner = Callable[[list[str]], int]  # argv for `python -m pipeline.cli` -> exit status
@@ -70,6 +67,7 @@ class SweepRun:
     overrides: list[str]  # everything after the config files: fixed + grid + name + logging.group
     run_dir: Path
     data_dir: Path
+    config: RunConfig = field(repr=False, compare=False)  # the resolved config (loaded once)
 
 
 @dataclass(frozen=True)
@@ -167,6 +165,7 @@ def load_sweep(path: str | Path) -> Sweep:
     short = _short_keys(keys)
     runs: list[SweepRun] = []
     seen: dict[str, dict[str, Any]] = {}
+    shared: dict[Path, tuple[str, dict[str, Any]]] = {}
     for index, combo in enumerate(itertools.product(*(grid[k] for k in keys))):
         values = dict(zip(keys, combo))
         run_name = ".".join([name] + [f"{short[k]}-{_label(v)}" for k, v in values.items()])
@@ -179,7 +178,8 @@ def load_sweep(path: str | Path) -> Sweep:
             cfg = load_config(configs, overrides)
         except ConfigError as e:
             raise ConfigError(f"sweep {path}, run {run_name}: {e}") from None
-        runs.append(SweepRun(index, run_name, values, overrides, cfg.run_dir, cfg.data_dir))
+        runs.append(SweepRun(index, run_name, values, overrides, cfg.run_dir, cfg.data_dir, cfg))
+        _check_shared_data(path, run_name, cfg, shared)
     return Sweep(
         name=name,
         path=path,
@@ -191,6 +191,24 @@ def load_sweep(path: str | Path) -> Sweep:
         out_dir=Path(base.runs_dir) / "sweeps" / name,
         runs=runs,
     )
+
+
+def _check_shared_data(
+    path: Path, run_name: str, cfg: RunConfig, shared: dict[Path, tuple[str, dict[str, Any]]]
+) -> None:
+    """Runs that share a data dir must want the same shards: one prepare job makes them for all."""
+    # The keys that do not change the shards, as in pipeline.stages.prepare_inputs (which also hashes
+    # the source files: too slow to repeat for every grid point).
+    data = {
+        k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("num_workers", "out_dir", "seed")
+    }
+    first = shared.setdefault(cfg.data_dir.resolve(), (run_name, data))
+    if first[1] != data:
+        diff = sorted(k for k in data if data[k] != first[1].get(k))
+        raise ConfigError(
+            f"sweep {path}: runs {first[0]} and {run_name} share the data dir {cfg.data_dir} but differ in "
+            f"data.{diff[0]}; drop the fixed data.out_dir or make it depend on that value"
+        )
 
 
 def expand_sweep(path: str | Path) -> list[SweepRun]:
@@ -209,27 +227,25 @@ def _data_groups(sweep: Sweep) -> list[SweepRun]:
     return list(firsts.values())
 
 
-def render_array(sweep: Sweep, run_list: Path) -> str:
-    """The job-array script: element i trains (srun + torchrun) and then evaluates run i."""
-    cfgs = [load_config(sweep.configs, r.overrides) for r in sweep.runs]
-    cfg = cfgs[0]
-    for other in cfgs[1:]:
-        derive(other, world_size(other))
+def render_array(sweep: Sweep, run_list: Path, stage: str) -> str:
+    """A job-array script over the sweep's runs: element i runs `stage` (train or eval) for run i,
+    taking its overrides from line i of run_list."""
+    cfgs = [r.config for r in sweep.runs]
+    if stage == "train":
+        for cfg in cfgs[1:]:
+            derive(cfg, world_size(cfg))  # element 0 is checked by render_job
     n = len(sweep.runs)
     array = f"0-{n - 1}" + (f"%{sweep.max_parallel}" if sweep.max_parallel else "")
-    log_dir = sweep.out_dir.resolve() / "slurm"
-    threads = cfg.slurm.cpus_per_task // workers_per_task(cfg)
-    named = dataclasses.replace(cfg, name=sweep.name)  # the job name belongs to the sweep, not to run 0
-    return fill(
-        template("array.sbatch"),
-        {
-            "SBATCH": "\n".join(sbatch_lines(named, "array", log_dir, log_stem="%A_%a", array=array)),
-            "ORIGIN": origin_comment(named, f"job array of sweep {sweep.path}"),
-            "PREAMBLE": preamble(cfg, sweep.configs, threads).rstrip(),
-            "RUN_LIST": q(run_list.resolve()),
-            "SWEEP": sweep.name,
-            "TORCHRUN": torchrun_block(cfg),
-        },
+    select = fill(template("array_select.sh"), {"RUN_LIST": q(run_list.resolve()), "SWEEP": sweep.name})
+    return render_job(
+        dataclasses.replace(cfgs[0], name=sweep.name),  # job names belong to the sweep, not to run 0
+        sweep.configs,
+        stage,
+        select,
+        log_dir=sweep.out_dir.resolve() / "slurm",
+        log_stem=f"{stage}-%A_%a",
+        array=array,
+        origin=f"{stage} job array of sweep {sweep.path}",
     )
 
 
@@ -256,8 +272,9 @@ def run_sweep(
     dry_run: bool = False,
     runner: Runner | None = None,
 ) -> list[str]:
-    """Run a sweep. mode "slurm": submit one prepare job per distinct data dir and then ONE job array
-    (returns the job ids, prepare jobs first, the array last). mode "local": prepare once per data dir,
+    """Run a sweep. mode "slurm": submit one prepare job per distinct data dir, ONE training job array
+    after them and one eval array (element i after training element i); returns the job ids: prepare
+    jobs, then the training array, then the eval array. mode "local": prepare once per data dir,
     then train + eval each run in turn through `runner` (default: `python -m pipeline.cli ...` in a
     subprocess); returns the names of the runs that finished. dry_run prints and submits/runs nothing."""
     if mode not in ("slurm", "local"):
@@ -271,33 +288,33 @@ def run_sweep(
     write_run_list(sweep, run_list)
     scripts: list[Path] = []
     for i, run in enumerate(_data_groups(sweep)):
-        cfg = load_config(sweep.configs, run.overrides)
         script = out / f"prepare-{i}.sbatch"
-        script.write_text(render_sbatch(cfg, sweep.configs, run.overrides, "prepare", log_dir=out))
+        script.write_text(render_sbatch(run.config, sweep.configs, run.overrides, "prepare", log_dir=out))
         scripts.append(script)
-    array = out / "array.sbatch"
-    array.write_text(render_array(sweep, run_list))
-    scripts.append(array)
+    arrays = {stage: out / f"{stage}-array.sbatch" for stage in ("train", "eval")}
+    for stage, script in arrays.items():
+        script.write_text(render_array(sweep, run_list, stage))
     if dry_run:
-        for script in [run_list, *scripts]:
+        for script in [run_list, *scripts, *arrays.values()]:
             print(f"# ===== {script} =====")
             print(script.read_text())
         return []
+    # Prepare jobs, then the training array after all of them; eval element i starts as soon as
+    # training element i succeeded (aftercorr), on a one-process allocation.
     ids: list[str] = []
     try:
-        for script in scripts[:-1]:
+        for script in scripts:
             ids.append(sbatch_submit(script))
-        ids.append(sbatch_submit(array, dependency=ids))
+        ids.append(sbatch_submit(arrays["train"], dependency=ids))
+        ids.append(sbatch_submit(arrays["eval"], dependency=[ids[-1]], kind="aftercorr"))
     except LaunchError:
         scancel(ids)
         raise
-    record_submission(
-        out / "jobs.jsonl",
-        {"time": time.time(), "prepare": ids[:-1], "array": ids[-1], "runs": [r.name for r in sweep.runs]},
-    )
+    entry = {"time": time.time(), "prepare": ids[:-2], "train_array": ids[-2], "eval_array": ids[-1]}
+    record_submission(out / "jobs.jsonl", {**entry, "runs": [r.name for r in sweep.runs]})
     print(
-        f"submitted sweep {sweep.name}: prepare job(s) {', '.join(ids[:-1])}, array {ids[-1]} "
-        f"({len(sweep.runs)} runs; logs {out}/<array id>_<index>.out)"
+        f"submitted sweep {sweep.name} ({len(sweep.runs)} runs): prepare {', '.join(ids[:-2])}, "
+        f"train array {ids[-2]}, eval array {ids[-1]}; logs {out}/<stage>-<array id>_<index>.out"
     )
     return ids
 

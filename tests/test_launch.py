@@ -368,7 +368,7 @@ def test_local_sweep_prepares_once_then_trains_and_evaluates_each(tmp_path: Path
     ]
 
 
-def test_slurm_sweep_array_selects_its_runs_overrides(tmp_path: Path, stubs, capsys) -> None:
+def test_slurm_sweep_arrays_select_their_runs_overrides(tmp_path: Path, stubs, capsys) -> None:
     # The compute-node python comes from the fixed overrides, like any slurm.* setting.
     body = SWEEP.replace("  train.max_steps: 7", f"  train.max_steps: 7\n  slurm.python: {stubs['py']}")
     sweep = write_sweep(tmp_path, body)
@@ -376,17 +376,51 @@ def test_slurm_sweep_array_selects_its_runs_overrides(tmp_path: Path, stubs, cap
     runs = expand_sweep(sweep)
     out = tmp_path / "runs" / "sweeps" / "abl" / "slurm"
     assert (out / "runs.tsv").read_text().splitlines() == ["\t".join(r.overrides) for r in runs]
-    assert sorted(p.name for p in out.glob("*.sbatch")) == ["array.sbatch", "prepare-0.sbatch"]
-    script = (out / "array.sbatch").read_text()
-    assert script in capsys.readouterr().out
-    opts = sbatch_options(script)
-    assert "--array=0-3%1" in opts and "--requeue" in opts
-    assert f"--output={out}/%A_%a.out" in opts
-    calls = run_script(script, stubs, tmp_path, SLURM_ARRAY_TASK_ID="2")
-    train, ev = (c["argv"] for c in calls)
+    names = sorted(p.name for p in out.glob("*.sbatch"))
+    assert names == ["eval-array.sbatch", "prepare-0.sbatch", "train-array.sbatch"]
+    printed = capsys.readouterr().out
+    train_script, eval_script = ((out / f"{s}-array.sbatch").read_text() for s in ("train", "eval"))
+    assert train_script in printed and eval_script in printed
+    opts = sbatch_options(train_script)
+    assert "--array=0-3%1" in opts and "--requeue" in opts and "--job-name=fpa-train-abl" in opts
+    assert f"--output={out}/train-%A_%a.out" in opts
+    opts = sbatch_options(eval_script)
+    assert "--array=0-3%1" in opts and "--ntasks=1" in opts and "--requeue" not in opts
+
+    (train,) = run_script(train_script, stubs, tmp_path, SLURM_ARRAY_TASK_ID="2")
     tail = ["-m", "pipeline.cli", "train", TINY, *runs[2].overrides, "train.checkpoint.resume=auto"]
-    assert train[-len(tail) :] == tail
-    assert ev == ["-m", "pipeline.cli", "eval", TINY, *runs[2].overrides]
+    assert train["argv"][-len(tail) :] == tail
+    stubs["py_log"].unlink()
+    (ev,) = run_script(eval_script, stubs, tmp_path, SLURM_ARRAY_TASK_ID="3")
+    assert ev["argv"] == ["-m", "pipeline.cli", "eval", TINY, *runs[3].overrides]
+
+
+def test_slurm_sweep_submits_prepare_then_train_array_then_eval_array(tmp_path: Path, monkeypatch) -> None:
+    bin_dir, calls, cancels = _sbatch_stubs(tmp_path, fail_at=99)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    # Two data dirs (one per sequence length): two prepare jobs, both awaited by training.
+    body = SWEEP.replace("  seed: [1, 2]", "  data.seq_len: [64, 128]").replace(
+        "{runs}/data", "{runs}/d${{data.seq_len}}"
+    )
+    sweep = write_sweep(tmp_path, body)
+    assert len({r.data_dir for r in expand_sweep(sweep)}) == 2
+    assert run_sweep(sweep, mode="slurm") == ["101", "102", "103", "104"]
+    out = tmp_path / "runs" / "sweeps" / "abl" / "slurm"
+    assert calls.read_text().splitlines() == [
+        f"--parsable {out}/prepare-0.sbatch",
+        f"--parsable {out}/prepare-1.sbatch",
+        f"--parsable --dependency=afterok:101:102 {out}/train-array.sbatch",
+        f"--parsable --dependency=aftercorr:103 {out}/eval-array.sbatch",
+    ]
+    record = json.loads((out / "jobs.jsonl").read_text())
+    assert record["prepare"] == ["101", "102"] and record["eval_array"] == "104"
+    assert not cancels.exists()
+
+
+def test_runs_sharing_a_data_dir_must_share_the_data_settings(tmp_path: Path) -> None:
+    sweep = write_sweep(tmp_path, SWEEP.replace("  seed: [1, 2]", "  data.seq_len: [64, 128]"))
+    with pytest.raises(ConfigError, match=r"share the data dir .* differ in data.seq_len"):
+        expand_sweep(sweep)
 
 
 # -- collecting --------------------------------------------------------------------------------------

@@ -342,11 +342,15 @@ grid:
     )
     runs = expand_sweep(sweep)
     ids = run_sweep(sweep, mode="slurm")
-    assert len(ids) == 2  # one prepare job for the shared data dir, one array
+    assert len(ids) == 3  # one prepare job for the shared data dir, a training and an eval array
     logs = [tmp_path / "runs" / "sweeps" / "mini" / "slurm"]
     records = [wait_done(i, 150, logs) for i in ids]
-    assert_completed(records[0] + records[1], logs)
-    assert sorted(r["ArrayTaskId"] for r in records[1]) == ["0", "1"]
+    assert_completed([r for recs in records for r in recs], logs)
+    train, evals = records[1], records[2]
+    assert sorted(r["ArrayTaskId"] for r in train) == sorted(r["ArrayTaskId"] for r in evals) == ["0", "1"]
+    # aftercorr: each eval element started after its own training element ended.
+    ends = {r["ArrayTaskId"]: r["EndTime"] for r in train}
+    assert all(r["StartTime"] >= ends[r["ArrayTaskId"]] for r in evals)
 
     for run in runs:
         manifest = json.loads((run.run_dir / "manifests" / "train.json").read_text())

@@ -1,8 +1,4 @@
-#!/bin/bash
-{{SBATCH}}
-# {{ORIGIN}}
-{{PREAMBLE}}
-# Element i of the array takes line i (0-based) of the run list: its overrides, tab-separated.
+# Element i of the job array takes line i (0-based) of the run list: its overrides, tab-separated.
 RUN_LIST={{RUN_LIST}}
 mapfile -t RUN_LINES < "$RUN_LIST"
 line=${RUN_LINES[$SLURM_ARRAY_TASK_ID]:-}
@@ -12,8 +8,3 @@ if [[ -z "$line" ]]; then
 fi
 IFS=$'\t' read -r -a OVERRIDES <<< "$line"
 echo "fpa: sweep {{SWEEP}} element ${SLURM_ARRAY_TASK_ID}: ${OVERRIDES[*]}"
-
-{{TORCHRUN}}
-
-echo "fpa: job ${SLURM_JOB_ID} eval"
-"$PY" -m pipeline.cli eval "${CONFIGS[@]}" "${OVERRIDES[@]}"

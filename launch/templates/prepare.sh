@@ -1,8 +1,2 @@
-#!/bin/bash
-{{SBATCH}}
-# {{ORIGIN}}
-{{PREAMBLE}}
-OVERRIDES=({{OVERRIDES}})
-
 echo "fpa: job ${SLURM_JOB_ID} prepare on $(hostname)"
 "$PY" -m pipeline.cli prepare "${CONFIGS[@]}" "${OVERRIDES[@]}"
