@@ -142,11 +142,6 @@ def _count(docs: Iterable[str]) -> int:
     return sum(1 for _ in docs)
 
 
-def _has_text(docs: Iterator[str]) -> bool:
-    """Whether a source yields any document (reading stops at the first one)."""
-    return next(docs, None) is not None
-
-
 def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     if cfg.num_workers > 0:
@@ -156,13 +151,13 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     def train_source() -> Iterator[str]:
         return iter_documents(cfg.train, max_doc_chars=cfg.max_doc_chars)
 
-    if not _has_text(train_source()):
-        raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
     # Counting costs a full read of the source: only when the split point or the passkey mix needs it.
     n_train: int | None = None
     n_val_from_train = 0
     if (cfg.validation is None and cfg.val_fraction > 0) or cfg.passkey_mix > 0:
         n_source = _count(train_source())
+        if n_source == 0:
+            raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
         if cfg.validation is None and cfg.val_fraction > 0:
             n_val_from_train = max(1, round(n_source * cfg.val_fraction))
             if n_val_from_train >= n_source:
@@ -206,6 +201,8 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     _write_split(writer, tok, docs, total, eod, dtype, cfg, progress)
     splits["train"] = writer.close()
     stats["train"] = {**writer.stats.as_dict(), "passkey_documents": n_passkey}
+    if writer.stats.documents == n_passkey:  # checked after the fact: no extra read of the source
+        raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
     if not splits["train"]:
         raise DataError(
             f"{source_label(cfg.train)}: {writer.stats.tokens} tokens do not fill one sequence of "
@@ -216,8 +213,6 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     val_docs: Iterable[str] | None = None
     n_val: int | None = None
     if cfg.validation is not None:
-        if not _has_text(iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars)):
-            raise DataError(f"{source_label(cfg.validation)}: no text (every document is empty)")
         val_docs = iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars)
     elif n_val_from_train:
         n_val = n_val_from_train
@@ -227,8 +222,10 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
         _write_split(writer, tok, val_docs, n_val, eod, dtype, cfg, progress)
         splits["validation"] = writer.close()
         stats["validation"] = {**writer.stats.as_dict(), "passkey_documents": 0}
+        label = source_label(cfg.validation) if cfg.validation else "the validation documents"
+        if writer.stats.documents == 0:
+            raise DataError(f"{label}: no text (every document is empty)")
         if not splits["validation"]:
-            label = source_label(cfg.validation) if cfg.validation else "the validation documents"
             raise DataError(
                 f"{label}: {writer.stats.tokens} tokens do not fill one sequence of "
                 f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"

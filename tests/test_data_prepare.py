@@ -235,6 +235,14 @@ def test_no_text_corpus(tmp_path: Path) -> None:
         prepare_data(cfg, tmp_path / "d", progress=False)
     assert not (tmp_path / "d").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+    # without a held-out fraction nothing counts documents up front: the check comes after the pass
+    with pytest.raises(DataError, match=r"empty\.jsonl'\]: no text"):
+        prepare_data(dataclasses.replace(cfg, val_fraction=0.0), tmp_path / "d", progress=False)
+    full = write_corpus(tmp_path / "full.jsonl", 40)
+    cfg = small_cfg(full, validation=SourceConfig(type="jsonl", paths=[str(tmp_path / "empty.jsonl")]))
+    with pytest.raises(DataError, match=r"jsonl source \[.*empty\.jsonl'\]: no text"):
+        prepare_data(cfg, tmp_path / "d", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "full.jsonl"]
 
 
 def test_too_little_text_for_one_sequence(tmp_path: Path) -> None:
