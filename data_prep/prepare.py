@@ -88,7 +88,8 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> di
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            summary = _prepare_into(cfg, tmp, progress=progress)
+            with _rayon_threads(cfg.num_workers):
+                summary = _prepare_into(cfg, tmp, progress=progress)
             _check_replaceable(out_dir)  # again: another process may have written there meanwhile
             _swap_in(tmp, out_dir)
         except BaseException:
@@ -96,6 +97,21 @@ def prepare_data(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> di
             raise
     summary["out_dir"] = str(out_dir)
     return summary
+
+
+@contextlib.contextmanager
+def _rayon_threads(n: int) -> Iterator[None]:
+    """data.num_workers > 0: tokenizers' Rust pool size. The pool reads RAYON_NUM_THREADS once, at its
+    first use in the process, so this only takes effect when prepare tokenizes first; the variable is
+    removed again so that child processes do not inherit it."""
+    if n <= 0 or "RAYON_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        os.environ.pop("RAYON_NUM_THREADS", None)
 
 
 @contextlib.contextmanager
@@ -144,9 +160,6 @@ def _count(docs: Iterable[str]) -> int:
 
 def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    if cfg.num_workers > 0:
-        # tokenizers sizes its thread pool from this on first use; later changes have no effect
-        os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_workers))
 
     def train_source() -> Iterator[str]:
         return iter_documents(cfg.train, max_doc_chars=cfg.max_doc_chars)
