@@ -55,7 +55,7 @@ class DataConfig:
     sequences_per_member: int = 64  # sequences packed into one tar member
     sequences_per_shard: int = 4096
     max_doc_chars: int = 100_000  # longer documents are split
-    num_workers: int = 0  # 0: all cores
+    num_workers: int = 0  # tokenizer threads in prepare (0: all cores; RAYON_NUM_THREADS wins)
     # Documents per tokenizer batch: big enough for encode_batch to use every core, small enough to cap
     # memory (the token lists of one batch live in Python at once).
     tokenize_batch_docs: int = 2048
