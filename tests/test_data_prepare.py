@@ -377,11 +377,21 @@ def test_packaged_kjv_small(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_default_config_prepares_well_under_a_minute(tmp_path: Path) -> None:
+    import resource
+
     from pipeline.config import load_config
 
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     cfg = load_config([Path(__file__).parents[1] / "configs" / "tiny.yaml"]).data
+    c0 = cpu()
     summary = prepare_data(cfg, tmp_path / "d", progress=False)
-    assert summary["seconds"] < 45, summary
+    # CPU seconds (all threads) do not grow with other load on a shared machine; about 5-8 s here, so
+    # on 2 free cores the wall time is well under a minute. The wall bound only catches a hang.
+    assert cpu() - c0 < 30, (cpu() - c0, summary)
+    assert summary["seconds"] < 120, summary
     assert summary["splits"]["train"]["documents"] == 1189  # KJV chapters
     assert summary["splits"]["validation"]["documents"] == 10033  # Wikipedia summaries
     assert load_index(tmp_path / "d").vocab_size == 4096
