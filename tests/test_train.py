@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -270,3 +271,52 @@ def test_bf16_zero1_tracks_fp32(cfg_path, reference, tmp_path):
     got, ref = losses(tmp_path / "t"), losses(reference[0])
     assert got[12] < got[1] - 0.3
     assert_same_curve(ref, got, tol=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_forwards_sigusr1_and_both_ranks_checkpoint(cfg_path, reference, tmp_path):
+    """Under torchrun --signals-to-handle ...,SIGUSR1 a preemption signal to the agent reaches both ranks,
+    which agree on the step, save, requeue once (rank 0) and exit; resume (on 1 rank) continues the curve.
+    Without that option torchrun dies of SIGUSR1 (its default action) and the workers save nothing."""
+    marker = tmp_path / "requeued.txt"
+    over = [*BASE, "train.grad_accum=1", "train.zero_stage=1", "train.checkpoint.every=100"]
+    over.append(f"runs_dir={tmp_path}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "FPA_TEST_LOADER_DELAY": "0.3",
+        "SLURM_JOB_ID": "5151",
+        "FPA_REQUEUE_CMD": f"echo {{job_id}} >> {marker}",
+    }
+    script = str(Path(__file__).with_name("test_train_support.py"))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    proc = subprocess.Popen(
+        [
+            *(torchrun, "--nproc_per_node", "2", "--master_port", str(port)),
+            *("--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "120"),
+            *(script, str(cfg_path), *over),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_step(tmp_path / "t", 2, proc, timeout=180)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert marker.read_text().split() == ["5151"], err[-3000:]  # rank 0 only, once
+    latest = (tmp_path / "t" / "checkpoints" / "latest").read_text()
+    meta = json.loads((tmp_path / "t" / "checkpoints" / latest / "COMPLETE").read_text())
+    assert meta["world_size"] == 2 and 2 <= meta["step"] < 12
+    # Resume on 1 rank with accum 2: the same global batch of 4.
+    run_training(cfg_path, [o for o in over if o != "train.grad_accum=1"], nproc=1)
+    assert_same_curve(losses(reference[0]), losses(tmp_path / "t"))
