@@ -572,7 +572,7 @@ def _forward(
         _fwd_tuned, _fwd_kernel,
         q, k, v, phi32, o, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        H, T, D, lc.scale * 1.4426950408889634,
+        H, T, D, lc.scale * _LOG2E.value,
     )  # fmt: skip
     return o, lse
 
@@ -595,10 +595,11 @@ def _backward(
     dq = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, H, T, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, H, T, D), dtype=v.dtype, device=q.device)
-    dphi_q = torch.zeros((B, H, T), dtype=torch.float32, device=q.device)
-    dphi_k = torch.zeros((B, H, T), dtype=torch.float32, device=q.device)
+    # dphi_q / dphi_k: every position is stored by the program that owns it; dphi_m takes atomic adds.
+    dphi_q = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    dphi_k = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dphi_m = torch.zeros((B, H, T), dtype=torch.float32, device=q.device)
-    common = (H, T, D, lc.scale * 1.4426950408889634, lc.scale)
+    common = (H, T, D, lc.scale * _LOG2E.value, lc.scale)
     lc.run(
         _bwd_dq_tuned, _bwd_dq_kernel,
         q, k, v, phi32, do, lse, delta, dq, dphi_q, dphi_m,
