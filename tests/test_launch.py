@@ -495,3 +495,19 @@ def test_collect_with_no_reports_still_writes_everything(tmp_path: Path) -> None
     assert (out / "results.png").stat().st_size > 0
     assert re.search(r"abl.kind-fpa.seed-1,fpa,1,,,,,,,missing", (out / "results.csv").read_text())
     assert os.access(out / "results.csv", os.R_OK)
+
+
+@pytest.mark.parametrize("name", ["kind", "field"])
+def test_shipped_sweeps_expand_and_render(name: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # their runs_dir is relative: keep the checkout clean
+    path = ROOT / "configs" / "sweeps" / f"{name}.yaml"
+    runs = expand_sweep(path)
+    assert len(runs) == 6 and len({r.name for r in runs}) == 6
+    assert len({r.data_dir for r in runs}) == 1  # one prepared dataset for the whole comparison
+    assert {r.config.logging.group for r in runs} == {name}
+    run_sweep(path, mode="slurm", dry_run=True)
+    out = tmp_path / "runs" / "sweeps" / name / "slurm"
+    for script in out.glob("*.sbatch"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    assert "--array=0-5" in (out / "train-array.sbatch").read_text()
+    capsys.readouterr()
