@@ -318,3 +318,15 @@ def test_bench_skips_cleanly_without_cuda():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "no CUDA device: skipping" in r.stdout
+
+
+def test_tie_rule_matches_chunked_path():
+    """The tie rule is shared with chunked.py: same field gradient on a tie-heavy field and other tiles."""
+    chunked = pytest.importorskip("fpa_model.ops.fpa.chunked").chunked_fpa_attention
+    b, h, t, d = 1, 2, 60, 16
+    g = torch.Generator().manual_seed(6)
+    q, k, v, do = (torch.randn(b, h, t, d, generator=g).to(DEVICE) for _ in range(4))
+    phi = torch.randint(1, 4, (b, h, t), generator=g).float().to(DEVICE)
+    got = run_with_grads(fpa_attention_triton, q, k, v, phi, do, "direct", kind="fpa", block_size=16)
+    ref = run_with_grads(chunked, q, k, v, phi, do, "direct", kind="fpa", block_size=8)
+    assert_all_close(got, ref, torch.float32)
