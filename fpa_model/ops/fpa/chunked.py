@@ -11,8 +11,16 @@ logit_ij = scale * q_i . k_j + b_ij, causal (key j <= query i), out_i = softmax_
 Memory. Only O(T) state is saved for the backward (q, k, v, phi as given, out, lse). The T x T score
 matrix never exists: work is done on tiles of `block_size` queries x `block_size` keys. To cut Python
 overhead, the tiles on one block diagonal (query block qb, key block qb - d for a fixed d) are processed
-together, a bounded number at a time (at most `_TILE_ROWS` query rows per step), so the workspace is
-B x H x _TILE_ROWS x block_size whatever T is.
+together as one batched matmul, a bounded number at a time (at most _TILE_ELEMS scores per step), so
+the workspace is at most min(T * block, _TILE_ELEMS) scores per batch*head whatever T is.
+
+Speed (CPU). The per-row and per-column parts of the bias (-phi_j, fox's +phi_i, -lse_i, -delta_i) ride
+in extra columns of the matmul operands, fpa's min(P_i, M, S_j) is written into the score buffer and the
+matmul accumulates onto it, so a cross tile costs two elementwise passes beyond plain flash attention.
+Diagonal tiles use the same prefix/suffix/between decomposition at sub-block (_SUB) granularity and a
+direct range min only inside sub-blocks. The forward accumulates cross tiles relative to the diagonal
+tile's lse (no per-tile rescaling); if a logit exceeds it by ~88 (float32 exp overflow) it detects the
+non-finite sum and recomputes with exact per-tile max-shifts and log-sum-exp merges.
 
 Tie rule (shared with triton_kernel.py). Where several positions hold the minimum of phi over a range,
 the argmin is the LOWEST (earliest) index among them. In the tiled form min(S_j, M, P_i) the three ranges
@@ -22,7 +30,8 @@ d b_ij / d phi_t = [t = argmin_{[j, i]} phi] - [t = j].
 (naive.py's autograd through torch.cummin follows the same rule on CPU, which the tests check.)
 
 Building blocks (public; the ring attention reuses them). All accept any leading dims "..." (e.g.
-(B, H) or (B, H, n_tiles)), take q, k, v, phi in any float dtype, compute in float32 and return float32.
+(B, H) or (B, H, n_tiles)), take q, k, v, phi in any float dtype, compute in float32 (float64 stays
+float64) and return that dtype. Argmin indices are int64, local to their chunk.
 `scale` defaults to 1/sqrt(D).
 
 fpa_cross_forward(q, k, v, phi_q, phi_k, m_between, *, kind, scale) -> (out, lse)
@@ -34,7 +43,8 @@ fpa_cross_forward(q, k, v, phi_q, phi_k, m_between, *, kind, scale) -> (out, lse
     out (..., Lq, Dv), lse (..., Lq) = logsumexp_j logit_ij.
 fpa_diag_forward(q, k, v, phi, *, kind, scale) -> (out, lse)
     A chunk against itself, causal. k, v, phi cover Lk positions; q (..., Lq, D) with Lq <= Lk are the
-    LAST Lq of them (Lq == Lk in training). The range min is computed directly (O(L^2) per chunk).
+    LAST Lq of them (Lq == Lk in training). Square chunks whose length is a multiple of _SUB use the
+    two-level decomposition; others compute the range min directly (O(Lq * Lk) cummin).
 fpa_cross_backward(dout, q, k, v, phi_q, phi_k, m_between, lse, *, out=None, delta=None, kind, scale)
     -> CrossGrads(dq, dk, dv, dphi_q, dphi_k, dm)
 fpa_diag_backward(dout, q, k, v, phi, lse, *, out=None, delta=None, kind, scale)
@@ -68,6 +78,12 @@ from fpa_model.ops.fpa.naive import KINDS
 _TILE_ELEMS = 1 << 19
 
 _INF = float("inf")
+
+# Shifted logits at or below this become exactly 0 after exp. exp(-87) is float32's smallest normal;
+# below it exp returns denormals, which make exp and the following matmul 20-60x slower on x86 (FoX's
+# long-range decay and FPA's erasure put many logits there). The dropped weights are < e^-87 relative to
+# the row's reference, far below float32 resolution.
+_EXP_FLOOR = -87.0
 
 
 class CrossGrads(NamedTuple):
@@ -306,10 +322,15 @@ def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
     return buf.baddbmm_(qa, ka.transpose(1, 2)), arg
 
 
+def _exp_(s: torch.Tensor) -> torch.Tensor:
+    """In-place exp that flushes would-be denormals (see _EXP_FLOOR) to exactly 0."""
+    return torch.nn.functional.threshold_(s, _EXP_FLOOR, -_INF).exp_()
+
+
 def _finish_softmax(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(s) @ v, logsumexp(s)) over the last dim, exact (max-shifted); s is overwritten."""
     m = s.amax(dim=-1, keepdim=True)
-    s.sub_(m).exp_()
+    _exp_(s.sub_(m))
     den = s.sum(dim=-1, keepdim=True)
     out = torch.bmm(s, v).div_(den)
     return out, (m + den.log()).squeeze(-1)
@@ -317,14 +338,14 @@ def _finish_softmax(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def _accumulate(s: torch.Tensor, v: torch.Tensor, acc: torch.Tensor, den: torch.Tensor) -> None:
     """acc += exp(s) @ v, den += rowsum(exp(s)): s already holds logits minus the row reference."""
-    s.exp_()
+    _exp_(s)
     den.add_(s.sum(dim=-1))
     acc.baddbmm_(s, v)
 
 
 def _bwd_tile(p, qs, k, v, va, do, doa, dq, dk, dv, buf_ds=None):
     """Shared flash-attention-2 tile backward: p holds logits - lse; accumulates dq (unscaled), dk, dv."""
-    p.exp_()
+    _exp_(p)
     dv.baddbmm_(p.transpose(1, 2), do)
     ds = torch.bmm(doa, va.transpose(1, 2), out=_new_buf(buf_ds, *p.shape, p)).mul_(p)  # p (dO.v - delta)
     dq.baddbmm_(ds, k)
@@ -653,8 +674,8 @@ class _Field:
 
 
 class _Blocks:
-    """The block-major operands of one call. `ref` (block-major (nq, BH, bs)) is subtracted from every
-    logit through qa: the diagonal lse in the forward's fast path, the final lse in the backward."""
+    """The block-major operands of one call. set_ref(ref) (block-major (nq, BH, bs)) makes qa subtract
+    ref_i from every logit: the diagonal lse in the forward's fast path, the final lse in the backward."""
 
     def __init__(self, q, k, v, phi, kind, scale, plan: _Plan, dout=None, delta=None):
         bs, front, back = plan.bs, plan.front, plan.back
@@ -685,10 +706,9 @@ def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
     out = torch.empty(*x.qs.shape[:-1], x.v.shape[-1], dtype=x.qs.dtype, device=x.qs.device)
     lse = torch.empty(x.qs.shape[:-1], dtype=x.qs.dtype, device=x.qs.device)
     for qi, ki in plan.groups(0):
+        n = (qi.stop - qi.start) * plan.bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
-        s, _ = _diag_scores(
-            _f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[: _f(x.qa[qi]).shape[0]]
-        )
+        s, _ = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[:n])
         o, l = _finish_softmax(s, _f(x.v[ki]))
         out[qi] = o.view_as(out[qi])
         lse[qi] = l.view_as(lse[qi])
