@@ -241,13 +241,14 @@ def scancel(job_ids: Sequence[str]) -> None:
         subprocess.run(["scancel", *job_ids], capture_output=True)
 
 
-def submit_chain(scripts: Sequence[Path], first_dependency: Sequence[str] = ()) -> list[str]:
-    """Submit scripts so each starts after the previous one succeeded. If one submission fails, the jobs
-    already submitted are cancelled (they would otherwise wait on a dependency forever)."""
+def submit_jobs(jobs: Sequence[tuple[Path, Sequence[int], str]]) -> list[str]:
+    """Submit (script, positions of earlier jobs it waits on, dependency kind) in order; return the ids.
+    If one submission fails, the jobs already queued are cancelled: they would otherwise wait forever on
+    a dependency that never comes, or run for nothing."""
     ids: list[str] = []
     try:
-        for script in scripts:
-            ids.append(sbatch_submit(script, [ids[-1]] if ids else first_dependency))
+        for script, after, kind in jobs:
+            ids.append(sbatch_submit(script, [ids[i] for i in after], kind))
     except LaunchError:
         scancel(ids)
         raise
@@ -277,14 +278,13 @@ def launch_slurm(config_paths: list[str], overrides: list[str], *, dry_run: bool
     for stage in STAGES:
         path = out / f"{stage}.sbatch"
         path.write_text(render_sbatch(cfg, config_paths, overrides, stage))
-        path.chmod(0o755)
         scripts.append(path)
         if dry_run:
             print(f"# ===== {path} =====")
             print(path.read_text())
     if dry_run:
         return []
-    ids = submit_chain(scripts)
+    ids = submit_jobs([(script, [i - 1] if i else [], "afterok") for i, script in enumerate(scripts)])
     entry = {"time": time.time(), "jobs": dict(zip(STAGES, ids))}
     record_submission(out / "jobs.jsonl", {**entry, "configs": config_paths, "overrides": overrides})
     for stage, job in zip(STAGES, ids):

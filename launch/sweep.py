@@ -48,8 +48,7 @@ from launch.slurm import (
     record_submission,
     render_job,
     render_sbatch,
-    sbatch_submit,
-    scancel,
+    submit_jobs,
     template,
     world_size,
 )
@@ -301,15 +300,10 @@ def run_sweep(
         return []
     # Prepare jobs, then the training array after all of them; eval element i starts as soon as
     # training element i succeeded (aftercorr), on a one-process allocation.
-    ids: list[str] = []
-    try:
-        for script in scripts:
-            ids.append(sbatch_submit(script))
-        ids.append(sbatch_submit(arrays["train"], dependency=ids))
-        ids.append(sbatch_submit(arrays["eval"], dependency=[ids[-1]], kind="aftercorr"))
-    except LaunchError:
-        scancel(ids)
-        raise
+    n = len(scripts)
+    jobs = [(script, [], "afterok") for script in scripts]
+    jobs += [(arrays["train"], range(n), "afterok"), (arrays["eval"], [n], "aftercorr")]
+    ids = submit_jobs(jobs)
     entry = {"time": time.time(), "prepare": ids[:-2], "train_array": ids[-2], "eval_array": ids[-1]}
     record_submission(out / "jobs.jsonl", {**entry, "runs": [r.name for r in sweep.runs]})
     print(
@@ -320,29 +314,29 @@ def run_sweep(
 
 
 def _run_local(sweep: Sweep, *, dry_run: bool, runner: Runner) -> list[str]:
-    steps: list[tuple[str, list[str]]] = []
-    for run in _data_groups(sweep):
-        argv = ["run", "--stages", "prepare", *sweep.configs, *run.overrides]
-        steps.append((f"prepare data for {run.name}", argv))
-    for run in sweep.runs:
-        argv = ["run", "--stages", "train,eval", "--nproc", str(sweep.local_nproc), *sweep.configs]
-        steps.append((run.name, argv + run.overrides))
+    prepares = [
+        (f"prepare data for {run.name}", ["run", "--stages", "prepare", *sweep.configs, *run.overrides])
+        for run in _data_groups(sweep)
+    ]
+    nproc = ["--nproc", str(sweep.local_nproc)]
+    runs = [
+        (run.name, ["run", "--stages", "train,eval", *nproc, *sweep.configs, *run.overrides])
+        for run in sweep.runs
+    ]
     if dry_run:
-        for what, argv in steps:
+        for what, argv in prepares + runs:
             print(f"# {what}\n{' '.join(q(a) for a in [sys.executable, '-m', 'pipeline.cli', *argv])}")
         return []
-    done: list[str] = []
-    failed: list[str] = []
-    names = {r.name for r in sweep.runs}
-    for what, argv in steps:
+    for what, argv in prepares:
         print(f"fpa sweep {sweep.name}: {what}", file=sys.stderr)
         rc = runner(argv)
-        if rc != 0:
-            if what not in names:  # no data: every run after would fail the same way
-                raise LaunchError(f"sweep {sweep.name}: '{what}' failed with status {rc}")
-            failed.append(what)
-        elif what in names:
-            done.append(what)
+        if rc != 0:  # without data every run would fail the same way
+            raise LaunchError(f"sweep {sweep.name}: '{what}' failed with status {rc}")
+    done: list[str] = []
+    failed: list[str] = []
+    for name, argv in runs:
+        print(f"fpa sweep {sweep.name}: {name}", file=sys.stderr)
+        (done if runner(argv) == 0 else failed).append(name)
     if failed:
         raise LaunchError(f"sweep {sweep.name}: {len(failed)} run(s) failed: {', '.join(failed)}")
     return done
