@@ -296,28 +296,6 @@ def _bwd_dq_kernel(
     dq = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dphi = tl.zeros((BLOCK,), tl.float32)
 
-    # diagonal tile
-    k = tl.load(K + offs_m[:, None] * stride_kt + offs_d[None, :], mask=row_mask, other=0.0)
-    v = tl.load(V + offs_m[:, None] * stride_vt + offs_d[None, :], mask=row_mask, other=0.0)
-    if not LOWP:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if KIND == 0:
-        s += (_diag_range_min(phi_q, BLOCK, LOG_B) - phi_q[None, :]) * _LOG2E
-    elif KIND == 1:
-        s += (phi_q[:, None] - phi_q[None, :]) * _LOG2E
-    causal = (offs_m[None, :] <= offs_m[:, None]) & m_ok[None, :]
-    s = tl.where(causal, s, float("-inf"))
-    p = tl.exp2(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-    if KIND == 0:
-        dphi += _diag_dphi(phi_q, ds, BLOCK, LOG_B)
-    elif KIND == 1:
-        dphi += tl.sum(ds, 1)
-
     if KIND == 0:
         p_min, p_arg = tl.associative_scan((phi_q, li), 0, _argmin_combine)
     row_route = tl.zeros((BLOCK,), tl.float32)  # ds mass owed to the prefix-min argmin of each row
@@ -360,15 +338,38 @@ def _bwd_dq_kernel(
         elif KIND == 1:
             dphi += tl.sum(ds, 1)
 
+    if KIND == 0:
+        tl.atomic_add(DPHI_M + pid_bh * T + run_arg, acc_m, mask=acc_m != 0.0)
+        dphi += _route(row_route, p_arg, BLOCK)
+
+    # Diagonal tile last: its level-by-level routing then does not share registers with the loop state.
+    k = tl.load(K + offs_m[:, None] * stride_kt + offs_d[None, :], mask=row_mask, other=0.0)
+    v = tl.load(V + offs_m[:, None] * stride_vt + offs_d[None, :], mask=row_mask, other=0.0)
+    if not LOWP:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if KIND == 0:
+        s += (_diag_range_min(phi_q, BLOCK, LOG_B) - phi_q[None, :]) * _LOG2E
+    elif KIND == 1:
+        s += (phi_q[:, None] - phi_q[None, :]) * _LOG2E
+    causal = (offs_m[None, :] <= offs_m[:, None]) & m_ok[None, :]
+    s = tl.where(causal, s, float("-inf"))
+    p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    if KIND == 0:
+        dphi += _diag_dphi(phi_q, ds, BLOCK, LOG_B)
+    elif KIND == 1:
+        dphi += tl.sum(ds, 1)
+
     DQ += b * stride_dqb + h * stride_dqh
     tl.store(
         DQ + offs_m[:, None] * stride_dqt + offs_d[None, :],
         (dq * sm_scale).to(DQ.dtype.element_ty),
         mask=row_mask,
     )
-    if KIND == 0:
-        tl.atomic_add(DPHI_M + pid_bh * T + run_arg, acc_m, mask=acc_m != 0.0)
-        dphi += _route(row_route, p_arg, BLOCK)
     if KIND != 2:
         tl.store(DPHI_Q + pid_bh * T + offs_m, dphi, mask=m_ok)
 
