@@ -160,6 +160,7 @@ def stage_command(cfg: RunConfig, stage: str) -> str:
             "RDZV_PORT": port,
             "NPROC": str(workers_per_task(cfg)),
             "TASKS_PER_NODE": str(s.tasks_per_node),
+            "CPUS_PER_TASK": str(s.cpus_per_task),
             "RDZV_TIMEOUT": str(s.rdzv_timeout),
         },
     ).rstrip("\n")

@@ -191,7 +191,8 @@ def test_hostile_names_reach_python_verbatim_and_run_nothing(stage: str, stubs, 
         assert argv[9:] == ["-m", "pipeline.cli", "train", TINY, *over, "train.checkpoint.resume=auto"]
         # torchrun must survive Slurm's USR1: it starts with the signal ignored.
         assert _usr1_ignored(calls[0]["sigign"])
-        assert "--ntasks-per-node=2" in stubs["srun_log"].read_text().split()
+        srun_options = stubs["srun_log"].read_text().split()
+        assert "--ntasks-per-node=2" in srun_options and "--cpus-per-task=2" in srun_options
         assert (tmp_path / "local tmp" / "tester" / "triton-7").is_dir()
     else:
         assert argv == ["-m", "pipeline.cli", stage, TINY, *over]

@@ -11,7 +11,9 @@ echo "fpa: job ${SLURM_JOB_ID} train: ${SLURM_NTASKS} agents x {{NPROC}} workers
 # (an ignored signal stays ignored across exec); the training workers install their own handler (save a
 # checkpoint, `scontrol requeue`, exit) and receive the signal directly. train.checkpoint.resume=auto
 # makes the requeued job continue from that checkpoint.
-srun --kill-on-bad-exit=1 --ntasks-per-node={{TASKS_PER_NODE}} \
+# --cpus-per-task again: srun 22.05+ does not take it from the allocation, and one CPU per task would
+# squeeze torchrun and all its workers onto one core.
+srun --kill-on-bad-exit=1 --ntasks-per-node={{TASKS_PER_NODE}} --cpus-per-task={{CPUS_PER_TASK}} \
     bash -c 'trap "" USR1; mkdir -p "$TRITON_CACHE_DIR"; exec "$@"' fpa-task \
     "$PY" -m torch.distributed.run \
     --nnodes="$SLURM_NTASKS" --nproc-per-node={{NPROC}} \
