@@ -79,11 +79,12 @@ _TILE_ELEMS = 1 << 19
 
 _INF = float("inf")
 
-# Shifted logits at or below this become exactly 0 after exp. exp(-87) is float32's smallest normal;
-# below it exp returns denormals, which make exp and the following matmul 20-60x slower on x86 (FoX's
-# long-range decay and FPA's erasure put many logits there). The dropped weights are < e^-87 relative to
-# the row's reference, far below float32 resolution.
-_EXP_FLOOR = -87.0
+# Shifted logits are floored here before exp. Below about -87 float32 exp returns denormals, and
+# weights that small also make denormal products in the backward (ds = p * (dp - delta)); denormal
+# operands make exp and matmul 20-60x slower on x86, and FoX's long-range decay and FPA's erasure put many
+# logits there. A floored weight is e^-64 ~ 1.6e-28 relative to the row's reference (its diagonal or
+# final lse) instead of smaller: far below float32 resolution. Masked (future) entries stay exactly 0.
+_EXP_FLOOR = -64.0
 
 
 class CrossGrads(NamedTuple):
@@ -148,15 +149,16 @@ def _cummin_keeps_last(device: torch.device) -> bool:
     return _CUMMIN_KEEPS_LAST[key]
 
 
-def _causal_masks(lq: int, lk: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive masks for queries = the last lq of lk positions: (finite BIG above the diagonal, -inf
-    above the diagonal), both 0 elsewhere. Additive float masks are far cheaper than masked_fill."""
+def _causal_masks(lq: int, lk: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masks for queries = the last lq of lk positions: (finite BIG above the diagonal else 0, -inf above
+    the diagonal else 0, 0 above the diagonal else 1). Float masks applied by add/mul are far cheaper
+    than masked_fill."""
     kpos = torch.arange(lk, device=like.device)
     future = kpos[None, :] > kpos[lk - lq :, None]
     big = torch.zeros(lq, lk, dtype=like.dtype, device=like.device)
     big.masked_fill_(future, torch.finfo(like.dtype).max / 4)
     neg = torch.zeros(lq, lk, dtype=like.dtype, device=like.device).masked_fill_(future, -_INF)
-    return big, neg
+    return big, neg, (~future).to(like.dtype)
 
 
 def _range_min_diag(
@@ -221,7 +223,7 @@ class _DiagField:
             zarg_next[..., :-1] = zarg[..., 1:]
             self.m_arg = torch.gather(bargmin, 1, zarg_next.flatten(1)).view(n, nsb, nsb)
         # Direct range min inside each sub-block (BIG above its diagonal, then -inf there).
-        big, neg = _causal_masks(sb, sb, phi)
+        big, neg, _ = _causal_masks(sb, sb, phi)
         r, self.r_arg = _range_min_diag(ph.reshape(n * nsb, sb), big, with_arg)
         self.r = (r + neg).view(n, nsb, sb, sb)
         self.pm = torch.minimum(self.p_min.unsqueeze(-1), self.m.unsqueeze(-2)).unsqueeze(-1)  # (n,a,i',b,1)
@@ -310,7 +312,7 @@ def _cross_scores(qa, ka, row, s_min, buf=None):
 def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
     """Causal scores of diagonal tiles (-inf above the diagonal) and, for fpa, the routing info:
     a _DiagField (square tiles) or the direct lowest-index range argmin (N, Lq, Lk)."""
-    big, neg = masks
+    big, neg, _ = masks
     buf = _new_buf(buf, qa.shape[0], qa.shape[1], ka.shape[1], qa)
     if kind != "fpa":
         return torch.baddbmm(neg, qa, ka.transpose(1, 2), out=buf), None
@@ -322,15 +324,19 @@ def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
     return buf.baddbmm_(qa, ka.transpose(1, 2)), arg
 
 
-def _exp_(s: torch.Tensor) -> torch.Tensor:
-    """In-place exp that flushes would-be denormals (see _EXP_FLOOR) to exactly 0."""
-    return torch.nn.functional.threshold_(s, _EXP_FLOOR, -_INF).exp_()
+def _exp_(s: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """In-place exp with the argument floored at _EXP_FLOOR (no denormals); `keep` (0/1, causal tiles)
+    then zeroes the masked entries exactly. Flooring beats mapping to -inf: exp(-inf) is ~10x slower."""
+    s.clamp_min_(_EXP_FLOOR).exp_()
+    return s if keep is None else s.mul_(keep)
 
 
-def _finish_softmax(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _finish_softmax(
+    s: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(s) @ v, logsumexp(s)) over the last dim, exact (max-shifted); s is overwritten."""
     m = s.amax(dim=-1, keepdim=True)
-    _exp_(s.sub_(m))
+    _exp_(s.sub_(m), keep)
     den = s.sum(dim=-1, keepdim=True)
     out = torch.bmm(s, v).div_(den)
     return out, (m + den.log()).squeeze(-1)
@@ -343,9 +349,10 @@ def _accumulate(s: torch.Tensor, v: torch.Tensor, acc: torch.Tensor, den: torch.
     acc.baddbmm_(s, v)
 
 
-def _bwd_tile(p, qs, k, v, va, do, doa, dq, dk, dv, buf_ds=None):
-    """Shared flash-attention-2 tile backward: p holds logits - lse; accumulates dq (unscaled), dk, dv."""
-    _exp_(p)
+def _bwd_tile(p, qs, k, v, va, do, doa, dq, dk, dv, buf_ds=None, keep=None):
+    """Shared flash-attention-2 tile backward: p holds logits - lse; accumulates dq (unscaled), dk, dv.
+    `keep`: the 0/1 causal mask of diagonal tiles."""
+    _exp_(p, keep)
     dv.baddbmm_(p.transpose(1, 2), do)
     ds = torch.bmm(doa, va.transpose(1, 2), out=_new_buf(buf_ds, *p.shape, p)).mul_(p)  # p (dO.v - delta)
     dq.baddbmm_(ds, k)
@@ -486,8 +493,9 @@ def fpa_diag_forward(
     pf = _flat(_f32(phi), 1) if phi is not None else None
     qa = _augment_q(qs, kind, None if pf is None else pf[:, lk - lq :], None)
     ka = _augment_k(_flat(_f32(k), 2), kind, pf)
-    s, _ = _diag_scores(qa, ka, pf, kind, _causal_masks(lq, lk, qs), with_arg=False)
-    out, lse = _finish_softmax(s, _flat(_f32(v), 2))
+    masks = _causal_masks(lq, lk, qs)
+    s, _ = _diag_scores(qa, ka, pf, kind, masks, with_arg=False)
+    out, lse = _finish_softmax(s, _flat(_f32(v), 2), masks[2])
     return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, -1)
 
 
@@ -575,8 +583,9 @@ def fpa_diag_backward(
     pf = _flat(_f32(phi), 1) if phi is not None else None
     qa = _augment_q(qs, kind, None if pf is None else pf[:, lk - lq :], lse_f)
     ka = _augment_k(kf, kind, pf)
-    p, arg = _diag_scores(qa, ka, pf, kind, _causal_masks(lq, lk, qs), with_arg=True)
-    ds = _bwd_tile(p, qs, kf, vf, va, do, doa, dq, dk, dv)
+    masks = _causal_masks(lq, lk, qs)
+    p, arg = _diag_scores(qa, ka, pf, kind, masks, with_arg=True)
+    ds = _bwd_tile(p, qs, kf, vf, va, do, doa, dq, dk, dv, keep=masks[2])
     dphi = kf.new_zeros(kf.shape[:-1]) if kind == "softmax" else _route_diag(ds, arg, kind)
     return DiagGrads(
         dq.mul_(sc).reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dphi.reshape(k.shape[:-1])
@@ -709,7 +718,7 @@ def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
         n = (qi.stop - qi.start) * plan.bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
         s, _ = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[:n])
-        o, l = _finish_softmax(s, _f(x.v[ki]))
+        o, l = _finish_softmax(s, _f(x.v[ki]), masks[2])
         out[qi] = o.view_as(out[qi])
         lse[qi] = l.view_as(lse[qi])
     if plan.n_blk == 1:
@@ -771,7 +780,7 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
         p, arg = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, True, buf_p[:n])
         ds = _bwd_tile(
             p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
-            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n],
+            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n], keep=masks[2],
         )  # fmt: skip
         if dphi is not None:
             _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
