@@ -510,17 +510,21 @@ def _plot(path: Path, title: str, table: list[dict[str, Any]], curves: dict[str,
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["run"].split(".", 1)[-1] for r in table]
     losses = [r["final_val_loss"] if r["final_val_loss"] is not None else math.nan for r in table]
-    ax_loss.bar(range(len(table)), losses, color="tab:blue")
+    # Points, not bars from zero: the differences that matter are small next to the loss itself.
+    ax_loss.plot(range(len(table)), losses, "o", color="tab:blue")
     ax_loss.set_xticks(range(len(table)), names, rotation=45, ha="right", fontsize=8)
     ax_loss.set_ylabel("final validation loss")
+    ax_loss.grid(axis="y", alpha=0.3)
+    ax_loss.ticklabel_format(axis="y", useOffset=False)
+    ax_loss.margins(x=0.1)
     ax_loss.set_title(f"{title}: final validation loss (missing runs left empty)")
     for name, (pos, ppl) in curves.items():
         ax_ppl.plot(pos, ppl, marker="o", ms=3, label=name.split(".", 1)[-1])
     ax_ppl.set_xlabel("position (bucket start), longest evaluated length")
     ax_ppl.set_ylabel("perplexity")
+    ax_ppl.grid(alpha=0.3)
     ax_ppl.set_title("perplexity by position" if curves else "perplexity by position (no reports)")
     if curves:
-        ax_ppl.set_yscale("log")
         ax_ppl.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
