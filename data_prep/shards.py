@@ -71,14 +71,14 @@ def tokenize_stream(
     eod: int,
     dtype: str,
     batch_docs: int = 2048,
-    batch_chars: int = 1 << 20,
+    batch_chars: int = 4 << 20,
     prefetch: int = 2,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them.
 
     Reading (Python: JSON parsing, decoding) overlaps the previous batch's encode_batch, which releases
-    the GIL; the consumer packs and writes meanwhile. Batches of about a million characters keep every
-    core busy while leaving room for that overlap on small corpora.
+    the GIL; the consumer packs and writes meanwhile. Batches of a few million characters keep every
+    core busy and bound the memory of one batch (ENVIRONMENT.md: one giant encode_batch used 8.8 GB).
     """
     batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
     encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
