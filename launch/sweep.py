@@ -64,9 +64,19 @@ class SweepRun:
     name: str
     values: dict[str, Any]  # this run's grid values, by dotted key
     overrides: list[str]  # everything after the config files: fixed + grid + name + logging.group
-    run_dir: Path
-    data_dir: Path
-    config: RunConfig = field(repr=False, compare=False)  # the resolved config (loaded once)
+    config: RunConfig = field(repr=False)  # the resolved config (loaded once)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    @property
+    def data_dir(self) -> Path:
+        return self.config.data_dir
+
+    @property
+    def group(self) -> str | None:  # the W&B group: the sweep's name
+        return self.config.logging.group
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,7 @@ def load_sweep(path: str | Path) -> Sweep:
             cfg = load_config(configs, overrides)
         except ConfigError as e:
             raise ConfigError(f"sweep {path}, run {run_name}: {e}") from None
-        runs.append(SweepRun(index, run_name, values, overrides, cfg.run_dir, cfg.data_dir, cfg))
+        runs.append(SweepRun(index, run_name, values, overrides, cfg))
         _check_shared_data(path, run_name, cfg, shared)
     return Sweep(
         name=name,

@@ -505,7 +505,7 @@ def test_shipped_sweeps_expand_and_render(name: str, tmp_path: Path, monkeypatch
     runs = expand_sweep(path)
     assert len(runs) == 6 and len({r.name for r in runs}) == 6
     assert len({r.data_dir for r in runs}) == 1  # one prepared dataset for the whole comparison
-    assert {r.config.logging.group for r in runs} == {name}
+    assert {r.group for r in runs} == {name}
     run_sweep(path, mode="slurm", dry_run=True)
     out = tmp_path / "runs" / "sweeps" / name / "slurm"
     for script in out.glob("*.sbatch"):
