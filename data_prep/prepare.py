@@ -10,7 +10,8 @@ any synthetic passkey documents are mixed in, so the passkey mix does not change
 
 Passkey mix (cfg.passkey_mix > 0): round(passkey_mix * n_train_docs) whole passkey documents
 (data_prep.passkey.passkey_documents) are inserted into the train document stream at positions drawn from
-a generator seeded by cfg.seed; their filler count is capped so that a document fits one sequence.
+a generator with a fixed seed (data.seed steers the loader's order only, never the bytes on disk); their
+filler count is capped so that a document fits one sequence.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from data_prep.tokenizer import eod_id, read_tokenizer_file, tokenizer_json, tra
 
 # What a data directory may contain: anything else means out_dir is not ours to replace.
 _OUR_ENTRIES = {INDEX_FILE, TOKENIZER_FILE, "train", "validation"}
-_PASSKEY_SEED_SALT = 0x9A55
+_PASSKEY_SEED = 0x9A55  # fixed: the passkey documents and their positions are part of the data
 
 
 def content_config(cfg: DataConfig) -> dict[str, Any]:
@@ -338,10 +339,8 @@ def _mix_passkey(
     fixed = len(tok.encode(fixed_text, add_special_tokens=False).ids)
     # the whole document (fillers, needle, question, answer, eod) fits one sequence
     max_fillers = max(1, (cfg.seq_len - fixed - 1) // max(1, per_filler))
-    extra = passkey.passkey_documents(
-        n_passkey, cfg.seed ^ _PASSKEY_SEED_SALT, min_fillers=1, max_fillers=max_fillers
-    )
-    rng = np.random.default_rng([cfg.seed, _PASSKEY_SEED_SALT])
+    extra = passkey.passkey_documents(n_passkey, _PASSKEY_SEED, min_fillers=1, max_fillers=max_fillers)
+    rng = np.random.default_rng([_PASSKEY_SEED, n_train, n_passkey])
     # slot i of the train stream gets the passkey documents whose position is i (before document i)
     positions = np.sort(rng.integers(0, n_train + 1, size=n_passkey))
     j = 0
