@@ -195,8 +195,9 @@ def sequence_parallel_cross_entropy(
     gradients over all dp x sp ranks (DeepSpeed with the whole world as its data-parallel group) needs
     grad_scale = sp degree to get the single-process gradient times 1/dp, i.e. the usual dp average.
     """
+    lf = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # bf16 -> fp32
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
+        lf.reshape(-1, lf.shape[-1]),
         targets.reshape(-1),
         ignore_index=ignore_index,
         reduction="sum",

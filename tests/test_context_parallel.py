@@ -127,6 +127,26 @@ def _check_groups(rank: int, world: int) -> dict[str, list[int]]:
     }
 
 
+def _sp_loss_check(rank: int, world: int) -> dict[str, float]:
+    """sequence_parallel_cross_entropy on sharded logits vs the full-batch loss and its gradient."""
+    from fpa_model.context_parallel import sequence_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 16, 7, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 7, (2, 16), generator=g)
+    targets[0, 3] = targets[1, 12] = -100  # ignored tokens on different ranks
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref.backward()
+    mine = shard_sequence(logits, rank, world, dim=1).requires_grad_()
+    loss = sequence_parallel_cross_entropy(
+        mine, shard_sequence(targets, rank, world, dim=1), dist.group.WORLD
+    )
+    loss.backward()
+    grad_err = (mine.grad - shard_sequence(full.grad, rank, world, dim=1)).abs().max()
+    return {"loss": abs(loss.item() - ref.item()), "grad": float(grad_err)}
+
+
 GPT_CASES = [("fpa", "walk"), ("fox", "gate"), ("softmax", "walk")]
 
 
@@ -210,7 +230,9 @@ def _extras(world: int) -> tuple[str, ...]:
     """The GPT check rides on the 2-rank spawn once the Attention hook exists (one spawn, not two)."""
     from fpa_model.attention import Attention
 
-    return ("_gpt_sp_step",) if world == 2 and hasattr(Attention, "sp_group") else ()
+    if world != 2:
+        return ()
+    return ("_sp_loss_check", "_gpt_sp_step") if hasattr(Attention, "sp_group") else ("_sp_loss_check",)
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +279,14 @@ def test_gpt_sequence_parallel_step_matches_one_rank(kind: str, field: str, tmp_
         assert len(errs) > 5  # the loss and every parameter
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
+
+
+@pytest.mark.distributed
+def test_sp_cross_entropy_two_ranks_equals_full_batch(tmp_root: Path) -> None:
+    for rank, res in enumerate(_spawn(2, tmp_root, _extras(2))):
+        r = res["_sp_loss_check"]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        assert r["loss"] < 1e-12 and r["grad"] < 1e-12, r
 
 
 @pytest.mark.distributed
@@ -361,3 +391,19 @@ def test_bf16_inputs_keep_dtype_and_track_fp32() -> None:
     for name, r in ref.items():
         err = float((got[name].detach().double() - r).abs().max() / r.abs().max())
         assert err < 3e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_sp_cross_entropy_single_rank_value_and_grad_scale() -> None:
+    """One rank: the plain mean cross-entropy (ignored targets excluded); grad_scale scales only gradients."""
+    from fpa_model.context_parallel import sequence_parallel_cross_entropy
+
+    logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    targets = torch.tensor([[1, 2, 3, -100, 4, 5], [6, 7, 8, 9, 10, -100]])
+    loss = sequence_parallel_cross_entropy(logits, targets, None)
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert torch.allclose(loss, ref)
+    (g1,) = torch.autograd.grad(loss, logits)
+    scaled = sequence_parallel_cross_entropy(logits, targets, None, grad_scale=4.0)
+    assert torch.allclose(scaled, ref)
+    (g4,) = torch.autograd.grad(scaled, logits)
+    assert torch.allclose(g4, 4 * g1)
