@@ -84,7 +84,7 @@ def _reference(t: dict[str, torch.Tensor], kind: str, field: str) -> dict[str, t
 
 
 def _run_case(
-    rank: int, world: int, mode: str, layout: str, kind: str, field: str, seed: int
+    rank: int, world: int, mode: str, layout: str, kind: str, field: str, seed: int, group: object = None
 ) -> dict[str, float]:
     t = _make_inputs(kind, field, seed)
     ref = _reference(t, kind, field)
@@ -97,7 +97,7 @@ def _run_case(
     attention = context_parallel_attention if mode == "ring" else ulysses_attention
     out = attention(
         leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field="direct" if field == "ties" else field,
-        group=None, block_size=BLOCK,
+        group=group, block_size=BLOCK,
         layout=layout,
     )  # fmt: skip
     out.backward(loc["dout"])
@@ -112,9 +112,11 @@ def _run_case(
     return errs
 
 
-def _check_groups(rank: int, world: int) -> dict[str, list[int]]:
-    """make_groups(2) on this world: the members each rank sees, to compare with the rank arithmetic."""
+def _check_groups(rank: int, world: int) -> dict[str, object]:
+    """make_groups(2) on this world: the members each rank sees (to compare with the rank arithmetic),
+    and a ring over each sp subgroup (group ranks != global ranks), both dp groups at once."""
     dp_group, sp_group, dp_rank, dp_world, sp_rank = make_groups(2)
+    ring = _run_case(sp_rank, 2, "ring", "zigzag", "fpa", "walk", seed=11 + dp_rank, group=sp_group)
     ranks = torch.tensor([rank])
     sp_members = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(sp_group))]
     dist.all_gather(sp_members, ranks, group=sp_group)
@@ -124,6 +126,7 @@ def _check_groups(rank: int, world: int) -> dict[str, list[int]]:
         "sp": [int(x) for x in sp_members],
         "dp": [int(x) for x in dp_members],
         "ids": [dp_rank, dp_world, sp_rank],
+        "ring": ring,
     }
 
 
@@ -298,6 +301,8 @@ def test_make_groups_layout(tmp_root: Path) -> None:
         assert sorted(g["sp"]) == [2 * dp_rank, 2 * dp_rank + 1]  # consecutive ranks share a sequence
         assert sorted(g["dp"]) == [sp_rank, sp_rank + 2]
         assert g["ids"] == [dp_rank, 2, sp_rank]
+        bad = {k: v for k, v in g["ring"].items() if not v < TOL}
+        assert not bad, f"rank {rank}: ring over its sp subgroup, relative errors over {TOL}: {bad}"
 
 
 # ----------------------------------------------------------------------------------------------------
