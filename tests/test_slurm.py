@@ -164,15 +164,19 @@ def wait_done(job_id: str, timeout: float, logs: list[Path] = ()) -> list[dict[s
     return wait_until(f"job {job_id} to finish", done, timeout, logs)
 
 
-def release_requeued(job_id: str, restarts: int, timeout: float, logs: list[Path] = ()) -> None:
+def requeued(job_id: str, restarts: int) -> bool:
+    rec = (job_records(job_id) or [{}])[0]
+    return rec.get("JobState") == "PENDING" and rec.get("Restarts") == str(restarts)
+
+
+def start_now(job_id: str) -> None:
     """Slurm holds a requeued job for about two minutes (BeginTime); let it start again at once."""
-
-    def requeued():
-        recs = job_records(job_id)
-        return recs and recs[0].get("JobState") == "PENDING" and recs[0].get("Restarts") == str(restarts)
-
-    wait_until(f"job {job_id} to be requeued", requeued, timeout, logs)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+
+def release_requeued(job_id: str, restarts: int, timeout: float, logs: list[Path] = ()) -> None:
+    wait_until(f"job {job_id} to be requeued", lambda: requeued(job_id, restarts), timeout, logs)
+    start_now(job_id)
 
 
 def assert_completed(records: list[dict[str, str]], logs: list[Path]) -> None:
@@ -257,12 +261,11 @@ def probe_job(cluster: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     def release() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            rec = (job_records(job) or [{}])[0]
-            if rec.get("JobState") == "PENDING" and rec.get("Restarts") == "1":
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+            if requeued(job, 1):
+                start_now(job)
                 info["released"] = True
                 return
-            if rec.get("JobState") in TERMINAL:
+            if any(r.get("JobState") in TERMINAL for r in job_records(job)):
                 return
             time.sleep(0.25)
 
