@@ -26,7 +26,10 @@ class ExportError(Exception):
 
 
 def _client_state(checkpoint_dir: Path) -> dict[str, Any]:
-    files = sorted(checkpoint_dir.glob("mp_rank_*_model_states.pt"))
+    # ZeRO-3 names it zero_pp_rank_0_mp_rank_00_model_states.pt; the client state is in every copy.
+    files = sorted(checkpoint_dir.glob("mp_rank_*_model_states.pt")) or sorted(
+        checkpoint_dir.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")
+    )
     if not files:
         raise ExportError(f"{checkpoint_dir} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
     return torch.load(files[0], map_location="cpu", weights_only=False)
