@@ -5,7 +5,8 @@
 
 Every measurement runs in fresh processes (gloo, one thread each): the single-process baseline is the
 chunked path (fpa_model.ops.fpa.chunked_fpa_attention) on the whole sequence, the ring is
-context_parallel_attention over 2 ranks, in the zigzag and the contiguous layout. Time: forward +
+context_parallel_attention over 2 ranks in the zigzag and the contiguous layout, and ulysses_attention
+(all-to-all over heads, the chunked path on the whole sequence for half of the heads). Time: forward +
 backward, median over repeats of the slowest rank (a step waits for it), as wall time and as CPU time of
 the process (time.process_time: less sensitive to other load on a shared machine). Memory: peak RSS
 (VmHWM, reset through /proc/self/clear_refs after a warm-up step and malloc_trim) minus the RSS at that
@@ -35,7 +36,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fpa_model.context_parallel import context_parallel_attention, shard_sequence  # noqa: E402
+from fpa_model.context_parallel import (  # noqa: E402
+    context_parallel_attention,
+    shard_sequence,
+    ulysses_attention,
+)
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402
 
 
@@ -69,9 +74,10 @@ def _inputs(args: argparse.Namespace, seq: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(
-    rank: int, world: int, layout: str, seq: int, args: argparse.Namespace, rdzv: str, out: str
+    rank: int, world: int, variant: str, seq: int, args: argparse.Namespace, rdzv: str, out: str
 ) -> None:
     torch.set_num_threads(1)
+    layout = "zigzag" if variant == "ulysses" else variant
     if world > 1:
         dist.init_process_group(
             "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world,
@@ -86,7 +92,8 @@ def _worker(
         for x in leaves.values():
             x.grad = None
         if world > 1:
-            o = context_parallel_attention(
+            attention = context_parallel_attention if variant != "ulysses" else ulysses_attention
+            o = attention(
                 leaves["q"], leaves["k"], leaves["v"], leaves["u"], kind=args.kind, field="walk",
                 block_size=args.block, layout=layout,
             )  # fmt: skip
@@ -122,10 +129,10 @@ def _worker(
         dist.destroy_process_group()
 
 
-def measure(world: int, layout: str, seq: int, args: argparse.Namespace) -> tuple[float, float, list[float]]:
+def measure(world: int, variant: str, seq: int, args: argparse.Namespace) -> tuple[float, float, list[float]]:
     """(median step wall seconds, median CPU seconds of the busiest rank, per-rank extra peak MB)."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, layout, seq, args, str(Path(d, "rdzv")), d), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, variant, seq, args, str(Path(d, "rdzv")), d), nprocs=world, join=True)
         rows = [Path(d, f"rank{r}.txt").read_text().split() for r in range(world)]
     return float(rows[0][0]), float(rows[0][1]), [float(r[2]) for r in rows]
 
@@ -139,7 +146,10 @@ def main() -> None:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--kind", default="fpa", choices=["fpa", "fox", "softmax"])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous"])
+    p.add_argument(
+        "--variants", nargs="+", default=["zigzag", "contiguous", "ulysses"],
+        help="ring layouts (zigzag, contiguous) and/or ulysses (all-to-all over heads, chunked per rank)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="T = 512, 1024 with 2 repeats")
     args = p.parse_args()
     if args.quick:
@@ -152,18 +162,18 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     head = (
-        f"{'T':>6} {'layout':>10} {'1p wall':>8} {'2r wall':>8} {'ratio':>6} {'1p cpu':>8} {'2r cpu':>8} "
+        f"{'T':>6} {'variant':>10} {'1p wall':>8} {'2r wall':>8} {'ratio':>6} {'1p cpu':>8} {'2r cpu':>8} "
         f"{'ratio':>6} {'1p MB':>7} {'rank MB':>11} {'ratio':>6}"
     )
     print(head)
     print("-" * len(head))
     for seq in args.seqs:
         t1, c1, (m1,) = measure(1, "contiguous", seq, args)
-        for layout in args.layouts:
-            t2, c2, m2 = measure(2, layout, seq, args)
+        for variant in args.variants:
+            t2, c2, m2 = measure(2, variant, seq, args)
             ranks = "/".join(f"{m:.0f}" for m in m2)
             print(
-                f"{seq:>6} {layout:>10} {t1:>8.3f} {t2:>8.3f} {t2 / t1:>6.2f} {c1:>8.3f} {c2:>8.3f} "
+                f"{seq:>6} {variant:>10} {t1:>8.3f} {t2:>8.3f} {t2 / t1:>6.2f} {c1:>8.3f} {c2:>8.3f} "
                 f"{c2 / c1:>6.2f} {m1:>7.0f} {ranks:>11} {max(m2) / max(m1, 1e-9):>6.2f}",
                 flush=True,
             )
