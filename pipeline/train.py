@@ -9,6 +9,9 @@ What it guarantees:
   loss curve; on a different number of ranks the checkpoint is converted to DeepSpeed's universal format.
 - preemption: SIGTERM / SIGUSR1 -> checkpoint at the next step boundary -> exit code 75 (EX_TEMPFAIL);
   under Slurm rank 0 runs `scontrol requeue $SLURM_JOB_ID` first (override: FPA_REQUEUE_CMD).
+  torchrun dies of SIGUSR1 by default: either signal the workers directly with torchrun ignoring USR1
+  (Slurm --signal=USR1@N without B: reaches every process), or start it with
+  `--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout <save time>` to forward it.
 - non-finite losses are never silent: every rank agrees before backward, then the step is skipped (no
   optimizer update, counted) or training stops with an error (train.nan_policy).
 - the learning rate is a pure function of the step (warmup + cosine), so it needs no scheduler state.
