@@ -21,7 +21,7 @@ would grow x16.
 Before timing, the chunked path is checked against the naive oracle (outputs and gradients) at T=96.
 
 Usage: python bench/attention.py [--quick] [--lengths 512,2048,8192] [--heads 8] [--head-dim 64]
-                                 [--block-size 128] [--repeats 5] [--json out.json]
+                                 [--block-size 256] [--repeats 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lengths", default="512,2048,8192", help="sequence lengths T")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=128, help="tile size of the chunked path")
+    ap.add_argument("--block-size", type=int, default=256, help="tile size of the chunked path")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per (contender, T); 3 above T=4096")
     ap.add_argument("--quick", action="store_true", help="smoke run: T=256,1024, 2 heads, 2 repeats")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory runs")
