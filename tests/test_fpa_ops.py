@@ -379,3 +379,32 @@ def test_strong_decay_flushes_tiny_weights_without_changing_results(kind):
     got = _fwd_bwd(lambda *x: chunked_fpa_attention(*x, kind=kind, block_size=32), q, k, v, phi, dout)
     want = _fwd_bwd(lambda *x: fpa_attention_naive(*x, kind=kind), q, k, v, phi, dout)
     _assert_all_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_ties_without_relying_on_cummin_index_order(monkeypatch):
+    """Devices whose torch.cummin reports another index among equal values take the exact record path."""
+    monkeypatch.setattr(chunked_mod, "_CUMMIN_KEEPS_LAST", {"cpu": False})
+    q, k, v, _, dout = _inputs(1, 2, 40, 40, 8, seed=6)
+    phi = torch.randint(-2, 3, (1, 2, 40), generator=torch.Generator().manual_seed(6)).float()
+    for bs in (8, 32):
+        got = _fwd_bwd(
+            lambda *x, bs=bs: chunked_fpa_attention(*x, kind="fpa", block_size=bs), q, k, v, phi, dout
+        )
+        want = _fwd_bwd(lambda *x: fpa_attention_naive(*x, kind="fpa"), q, k, v, phi, dout)
+        _assert_all_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_on_cuda_matches_naive(kind, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    for tq, tk, bs in ((300, 300, 64), (7, 300, 64), (130, 130, 128)):
+        q, k, v, phi, dout = (t.cuda() for t in _inputs(2, 3, tq, tk, 32, dtype=dtype, seed=tq))
+        got = _fwd_bwd(
+            lambda *x, bs=bs: chunked_fpa_attention(*x, kind=kind, block_size=bs), q, k, v, phi, dout
+        )
+        want = _fwd_bwd(lambda *x: fpa_attention_naive(*x, kind=kind), q, k, v, phi, dout)
+        _assert_all_close(got, want, **tol)
