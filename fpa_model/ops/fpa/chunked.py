@@ -829,7 +829,8 @@ class _ChunkedFPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, phi, kind, scale, block_size):
         b, h = q.shape[:2]
-        plan = _Plan(q.shape[-2], k.shape[-2], block_size, b * h)
+        # A block longer than the sequence would only add padding.
+        plan = _Plan(q.shape[-2], k.shape[-2], min(block_size, k.shape[-2]), b * h)
         out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
         out = _from_blocks(out_b, b, h, plan.front, plan.tq).to(q.dtype)
         ctx.save_for_backward(q, k, v, phi, out, lse)
