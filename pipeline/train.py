@@ -45,7 +45,7 @@ from pipeline.logging import make_logger
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: "try again later"; launch scripts requeue on it
 REQUEUE_ENV = "FPA_REQUEUE_CMD"  # e.g. "echo {job_id} >> requeued.txt" in tests
-NAN_TEST_ENV = "FPA_TEST_NAN_STEP"  # tests: make the loss of this step non-finite on the last rank
+NAN_TEST_ENV = "FPA_TEST_NAN_STEP"  # tests: make this step's loss non-finite (last rank, last micro batch)
 
 
 class TrainingError(RuntimeError):
@@ -252,24 +252,15 @@ def requeue_slurm_job() -> str | None:
 
 
 def _discard_step(engine: Any) -> None:
-    """Run engine.step() at the accumulation boundary, but drop the gradients instead of updating.
+    """ZeRO-0: run engine.step() at the accumulation boundary but drop the gradients instead of updating.
 
-    DeepSpeed's own overflow skip exists only for some ZeRO stages / precisions; this one works the same
-    for all: step counters advance (so accumulation stays aligned), weights and optimizer state do not.
+    (ZeRO 1-3 need no help: DeepSpeed itself drops a step whose gradient norm is not finite, and cleans
+    its partitioned / accumulated gradient buffers, so there the non-finite gradients go through.)
+    Step counters advance, so accumulation stays aligned; weights and optimizer state do not change.
     """
 
     def discard(lr_kwargs: Any = None) -> None:
-        opt = engine.optimizer
-        try:
-            opt.zero_grad(set_to_none=True)
-        except TypeError:
-            opt.zero_grad()
-        if hasattr(opt, "clear_hp_grads"):  # bf16 optimizer: fp32 accumulation buffers
-            opt.clear_hp_grads()
-        avg = getattr(opt, "averaged_gradients", None)
-        if isinstance(avg, dict):  # ZeRO 1-3 partitioned gradients
-            for k in list(avg):
-                avg[k] = None
+        engine.optimizer.zero_grad(set_to_none=True)  # the plain torch optimizer: p.grad is all there is
         engine.skipped_steps += 1
         engine.global_steps += 1
         engine.global_samples += engine.train_batch_size()
@@ -485,8 +476,10 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 wait += time.perf_counter() - t_wait
                 logits = engine(x)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                if nan_step is not None and step == nan_step and dp_rank == dp_world - 1:
-                    loss = loss * float("nan")  # test hook: a real non-finite loss on one rank only
+                if nan_step == step and dp_rank == dp_world - 1 and _micro == d.grad_accum - 1:
+                    # Test hook: a real non-finite loss on one rank, in the last micro batch (the earlier
+                    # ones were already backpropagated, the hardest case for dropping the step).
+                    loss = loss * float("nan")
                 # One collective per micro step: [finite loss sum, non-finite count, stop request].
                 finite = bool(torch.isfinite(loss.detach()).item())
                 flags = torch.tensor(
@@ -496,11 +489,13 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 flags = _all_reduce_sum(flags, device)
                 stop_req = max(stop_req, float(flags[2]))
                 if flags[1] > 0:
-                    bad_step = True  # every rank skips this backward: no NaN reaches any gradient
+                    bad_step = True  # every rank knows, whichever rank saw it
                 else:
                     loss_sum += float(flags[0]) / dp_world
-                    if not bad_step:
-                        engine.backward(loss)
+                # ZeRO-0 keeps NaN out of the gradients (the step is discarded by hand); ZeRO 1-3 let it
+                # through so DeepSpeed's own non-finite-norm skip drops the step and resets its buffers.
+                if not bad_step or tc.zero_stage > 0:
+                    engine.backward(loss)
                 if _micro < d.grad_accum - 1:
                     engine.step()  # not a boundary: DeepSpeed only advances its micro-step counter
             if bad_step:
@@ -512,7 +507,16 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                         f"last finite loss was {last_loss}"
                     )
                 print(f"[train] step {step}: non-finite loss, step skipped ({skipped} so far)", flush=True)
-                _discard_step(engine)
+                if tc.zero_stage == 0:
+                    _discard_step(engine)
+                else:
+                    before = engine.skipped_steps
+                    engine.step()
+                    if engine.skipped_steps == before:
+                        raise TrainingError(
+                            f"step {step}: DeepSpeed applied an update with non-finite gradients "
+                            f"(ZeRO {tc.zero_stage}, {tc.precision}); stopping rather than training on NaN"
+                        )
                 if skipped > tc.max_skipped_steps:
                     raise TrainingError(
                         f"{skipped} steps skipped for non-finite loss (train.max_skipped_steps="
