@@ -15,7 +15,7 @@ class AttentionConfig:
     kind: str = "fpa"  # fpa | fox | softmax: the ablation axis
     field: str = "walk"  # walk | gate | direct: how the FPA field phi is parametrized
     impl: str = "auto"  # auto (triton on CUDA, chunked on CPU) | naive | chunked | triton
-    block_size: int = 64  # tile size of the chunked path
+    block_size: int = 128  # tile size of the chunked path (CPU: 128-256 measured 10-15% faster than 64)
     output_gate: bool = False  # FoX "Pro": sigmoid gate on the attention output
     qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
     rope: bool | None = None  # None: on for softmax only (fpa/fox get position from the field)
