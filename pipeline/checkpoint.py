@@ -170,29 +170,35 @@ def universal_dir(ckpt: Path) -> Path:
     return ckpt.with_name(ckpt.name + "_universal")
 
 
+def convert_to_universal(ckpt: Path, out: Path) -> Path:
+    """Run DeepSpeed's ds_to_universal on ckpt into out (not collective); returns out."""
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(ckpt),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        raise CheckpointError(f"converting {ckpt} to a universal checkpoint failed: {tail[0]}")
+    return out
+
+
 def ensure_universal(ckpt: Path) -> Path:
     """Collective: rank 0 converts ckpt to a universal checkpoint (once); returns its dir."""
     out = universal_dir(ckpt)
     if dist_utils.rank() == 0 and not (out / COMPLETE).is_file():
-        if out.exists():
-            shutil.rmtree(out)
-        cmd = [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(ckpt),
-            "--output_folder",
-            str(out),
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-            raise CheckpointError(f"converting {ckpt} to a universal checkpoint failed: {tail[0]}")
+        convert_to_universal(ckpt, out)
         _atomic_write(out / COMPLETE, (ckpt / COMPLETE).read_text())
     dist_utils.barrier()
     return out

@@ -8,6 +8,8 @@ ZeRO-partitioned checkpoints are consolidated with DeepSpeed's get_fp32_state_di
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,37 @@ def _client_state(checkpoint_dir: Path) -> dict[str, Any]:
 def consolidated_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """fp32 weights of the whole model from a DeepSpeed checkpoint dir (any ZeRO stage)."""
     checkpoint_dir = Path(checkpoint_dir)
-    if any(checkpoint_dir.glob("*zero_pp_rank_*optim_states.pt")):
+    if any(checkpoint_dir.glob("bf16_zero_pp_rank_*optim_states.pt")):
+        # DeepSpeed's bf16 optimizer (ZeRO 0/1 with bf16) saves a format zero_to_fp32 cannot read; its
+        # universal conversion can, and holds every parameter's fp32 master copy.
+        sd = _fp32_from_universal(checkpoint_dir)
+    elif any(checkpoint_dir.glob("*zero_pp_rank_*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
     else:
         sd = _client_state(checkpoint_dir)["module"]
     return {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
+
+
+def _fp32_from_universal(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    from pipeline.checkpoint import COMPLETE, convert_to_universal, universal_dir
+
+    udir = universal_dir(checkpoint_dir)
+    tmp = None
+    if not (udir / COMPLETE).is_file():  # not made by a resume: convert into a temporary dir
+        tmp = Path(tempfile.mkdtemp(prefix=".export-universal-", dir=checkpoint_dir.parent))
+        udir = convert_to_universal(checkpoint_dir, tmp / "u")
+    try:
+        out = {}
+        for d in sorted((udir / "zero").iterdir()):
+            f = d / "fp32.pt"
+            if f.is_file():
+                out[d.name] = torch.load(f, map_location="cpu", weights_only=False)["param"]
+        return out
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _atomic_save(write: Any, path: Path) -> None:
