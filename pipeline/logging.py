@@ -19,6 +19,7 @@ import secrets
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,7 @@ class WandbLogger(RunLogger):
         config = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)), resolve=True)
         assert isinstance(config, dict)
         config["git_sha"] = git_sha()
+        _avoid_same_second_dir(run_dir / "wandb", run_id)
         self._wandb = wandb
         self.run = wandb.init(
             project=cfg.logging.project,
@@ -197,6 +199,21 @@ class WandbLogger(RunLogger):
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def _avoid_same_second_dir(wandb_dir: Path, run_id: str) -> None:
+    """W&B names a segment's folder <mode>-run-<YYYYmmdd_HHMMSS>-<id>; a resume of the same id within the
+    same second reuses the folder and the new segment's .wandb file replaces the old one (data loss).
+    Wait for the next second when that would happen (restarts in tests and quick retries)."""
+    import datetime
+
+    if not wandb_dir.is_dir():
+        return
+    stamps = {d.name.split("-")[2] for d in wandb_dir.glob(f"*-run-*-{run_id}") if d.name.count("-") >= 3}
+    for _ in range(3):
+        if datetime.datetime.now().strftime("%Y%m%d_%H%M%S") not in stamps:
+            return
+        time.sleep(1.0 - (time.time() % 1.0) + 0.01)
 
 
 def make_logger(cfg: RunConfig, rank: int, run_id: str | None) -> RunLogger:

@@ -171,7 +171,9 @@ def test_wandb_offline_run_records_and_resumes(tmp_path):
     lg.log_table("grid", ["a", "b"], [[1, 2]])
     lg.summary({"final/loss": 0.25})
     lg.finish()
-    lg2 = make_logger(cfg, rank=0, run_id=rid)  # a resumed job: the same run continues
+    # A resumed job: the same run continues. Started within the same second as the first segment, W&B
+    # would reuse its folder and overwrite its .wandb file; make_logger must prevent that.
+    lg2 = make_logger(cfg, rank=0, run_id=rid)
     assert lg2.run_id == rid
     lg2.log({"train/loss": 0.2}, step=4)
     lg2.finish()
