@@ -52,7 +52,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", default="fpa,fox,softmax,softmax-sdpa")
     p.add_argument("--impl", default="chunked", choices=["naive", "chunked", "triton", "auto"])
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=AttentionConfig().block_size)
     p.add_argument("--steps", type=int, default=10, help="timed steps per kind")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
