@@ -336,13 +336,16 @@ def test_torchrun_forwards_sigusr1_and_both_ranks_checkpoint(cfg_path, reference
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # so a failure can take torchrun's workers down with it
     )
     try:
         _wait_for_step(tmp_path / "t", 2, proc, timeout=180)
         proc.send_signal(signal.SIGUSR1)
         _, err = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert marker.read_text().split() == ["5151"], err[-3000:]  # rank 0 only, once
     latest = (tmp_path / "t" / "checkpoints" / "latest").read_text()
     meta = json.loads((tmp_path / "t" / "checkpoints" / latest / "COMPLETE").read_text())

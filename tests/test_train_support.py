@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -132,14 +133,23 @@ def run_training(
     full_env.pop("PYTEST_CURRENT_TEST", None)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(k, None)
-    proc = subprocess.run(
+    # Own process group: on a timeout the whole group goes (torchrun's workers would outlive it).
+    popen = subprocess.Popen(
         [*cmd, str(config), *overrides],
         cwd=REPO,
         env=full_env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
+    try:
+        out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        out, err = popen.communicate()
+        raise AssertionError(f"training timed out after {timeout} s:\n{out[-2000:]}\n{err[-3000:]}") from None
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
