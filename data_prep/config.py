@@ -42,6 +42,9 @@ class TokenizerConfig:
     min_frequency: int = 2
     eod_token: str = "<|endoftext|>"
     special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>", "<|pad|>"])
+    # One token per digit (as Llama/PaLM do): numbers tokenize the same wherever they stand, so copying a
+    # number (passkey retrieval) is a token-by-token copy instead of a lookup among merged digit chunks.
+    split_digits: bool = True
 
 
 @dataclass
