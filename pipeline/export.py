@@ -7,6 +7,7 @@ ZeRO-partitioned checkpoints are consolidated with DeepSpeed's get_fp32_state_di
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fpa_model.config import ModelConfig
 from fpa_model.model import GPT
 from pipeline.config import RunConfig, from_yaml_text, to_yaml
 
@@ -90,7 +92,7 @@ def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> P
         raise ExportError(f"checkpoint directory not found: {checkpoint_dir}")
     client = _client_state(checkpoint_dir)
     if client.get("config_yaml"):
-        cfg = from_yaml_text(client["config_yaml"])
+        cfg = _config_from_checkpoint(client["config_yaml"], cfg, checkpoint_dir)
     if cfg.model.vocab_size is None:
         raise ExportError(f"model.vocab_size is unknown for {checkpoint_dir} (no config in the checkpoint)")
     sd = consolidated_state_dict(checkpoint_dir)
@@ -110,6 +112,22 @@ def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> P
     _atomic_save(lambda p: save_file(sd, str(p), metadata=meta), out_dir / WEIGHTS)
     _atomic_save(lambda p: p.write_text(to_yaml(cfg)), out_dir / CONFIG)
     return out_dir
+
+
+def _config_from_checkpoint(text: str, cfg: RunConfig, checkpoint_dir: Path) -> RunConfig:
+    """The checkpoint's config; if the schema moved on since it was saved, its model section on cfg."""
+    try:
+        return from_yaml_text(text)
+    except Exception:
+        from omegaconf import OmegaConf
+
+        try:
+            model = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(text)["model"])
+            return dataclasses.replace(cfg, model=OmegaConf.to_object(model))
+        except Exception as e:
+            raise ExportError(
+                f"the model config saved in {checkpoint_dir} does not fit this code: {str(e).splitlines()[0]}"
+            ) from None
 
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu") -> GPT:

@@ -280,3 +280,16 @@ logging: {{wandb_mode: disabled, progress: false}}
 
     client = torch.load(Path(summary["checkpoint"]) / "mp_rank_00_model_states.pt", weights_only=False)
     assert f"vocab_size: {vocab}" in client["config_yaml"]
+
+
+def test_export_reads_old_checkpoint_configs():
+    """A checkpoint saved under an older config schema still exports (its model section is what counts)."""
+    from pipeline.config import to_yaml
+    from pipeline.export import ExportError, _config_from_checkpoint
+
+    saved = RunConfig()
+    saved.model.vocab_size = 77
+    text = to_yaml(saved) + "obsolete_section: 1\n"
+    assert _config_from_checkpoint(text, RunConfig(), Path("ck")).model.vocab_size == 77
+    with pytest.raises(ExportError, match="n_layers"):
+        _config_from_checkpoint(text.replace("n_layer:", "n_layers:"), RunConfig(), Path("ck"))
