@@ -269,11 +269,12 @@ def _records(path: Path) -> list[bytes]:
 
 
 def read_wandb_file(path: str | Path) -> dict[str, Any]:
-    """Parse a run-<id>.wandb file into {"run_id", "config", "history": [ {key: value} ], "summary"}."""
+    """Parse a run-<id>.wandb file: {"run_id", "config", "history": [{key: value}], "summary", "finished"}."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     path = Path(path)
-    result: dict[str, Any] = {"run_id": None, "config": {}, "history": [], "summary": {}}
+    # finished: the exit record is written (the W&B service may still be flushing just after finish()).
+    result: dict[str, Any] = {"run_id": None, "config": {}, "history": [], "summary": {}, "finished": False}
 
     def key_of(item: Any) -> str:
         return item.key or "/".join(item.nested_key)
@@ -291,7 +292,21 @@ def read_wandb_file(path: str | Path) -> dict[str, Any]:
         elif kind == "summary":
             for item in rec.summary.update:
                 result["summary"][key_of(item)] = json.loads(item.value_json)
+        elif kind == "exit":
+            result["finished"] = True
     return result
+
+
+def read_finished_wandb_file(path: str | Path, timeout_s: float = 30.0) -> dict[str, Any]:
+    """read_wandb_file once the segment's exit record is on disk (or raise TimeoutError)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rec = read_wandb_file(path)
+        if rec["finished"]:
+            return rec
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} has no exit record after {timeout_s} s")
+        time.sleep(0.1)
 
 
 def find_wandb_files(run_dir: str | Path, run_id: str) -> list[Path]:

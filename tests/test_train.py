@@ -168,7 +168,7 @@ def test_sigkill_then_resume_gives_the_same_curve(cfg_path, reference, tmp_path)
 
 @pytest.mark.slow
 def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, tmp_path):
-    from pipeline.logging import find_wandb_files, read_wandb_file
+    from pipeline.logging import find_wandb_files, read_finished_wandb_file
 
     marker = tmp_path / "requeued.txt"
     over = [*BASE, "train.checkpoint.every=100", "logging.wandb_mode=offline", f"runs_dir={tmp_path}"]
@@ -199,7 +199,7 @@ def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, 
     assert len(files) == 2
     logged = {}
     for f in files:
-        rec = read_wandb_file(f)
+        rec = read_finished_wandb_file(f)
         assert rec["run_id"] == first_id
         for row in rec["history"]:
             if "train/loss" in row:
@@ -211,7 +211,7 @@ def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, 
     for s in (2, 12):
         assert logged[s]["train/loss"] == pytest.approx((ref[s - 1] + ref[s]) / 2, rel=1e-4)
     assert logged[12]["train/tokens"] == 12 * 4 * 32
-    cfg_logged = read_wandb_file(files[0])["config"]
+    cfg_logged = read_finished_wandb_file(files[0])["config"]
     assert cfg_logged["model"]["d_model"] == 32 and "git_sha" in cfg_logged
 
 

@@ -158,7 +158,7 @@ def test_make_logger_rank_nonzero_is_noop(tmp_path):
 
 
 def test_wandb_offline_run_records_and_resumes(tmp_path):
-    from pipeline.logging import find_wandb_files, make_logger, read_wandb_file
+    from pipeline.logging import find_wandb_files, make_logger, read_finished_wandb_file
 
     cfg = load_config(
         [], [f"runs_dir={tmp_path}", "name=wb", "logging.quiet_wandb=true", "logging.progress=false"]
@@ -180,7 +180,7 @@ def test_wandb_offline_run_records_and_resumes(tmp_path):
 
     files = find_wandb_files(cfg.run_dir, rid)
     assert len(files) == 2
-    first, second = read_wandb_file(files[0]), read_wandb_file(files[1])
+    first, second = read_finished_wandb_file(files[0]), read_finished_wandb_file(files[1])
     losses = {r["_step"]: r["train/loss"] for r in first["history"] if "train/loss" in r}
     assert losses == {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)}
     assert first["summary"]["final/loss"] == 0.25
