@@ -72,6 +72,12 @@ class Attention(nn.Module):
         max_seq_len: length the RoPE table is precomputed for (longer sequences extend it on the fly).
     """
 
+    # Sequence parallelism, set per layer by fpa_model.context_parallel.enable_sequence_parallel: the
+    # process group sharing one sequence (None: off), how the sequence is split, ring or ulysses.
+    sp_group: object | None = None
+    sp_layout: str = "zigzag"
+    sp_mode: str = "ring"
+
     def __init__(self, d_model: int, n_head: int, cfg: AttentionConfig, max_seq_len: int) -> None:
         super().__init__()
         if d_model % n_head:
@@ -196,6 +202,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model)."""
+        if self.sp_group is not None:  # x is this rank's part of the sequence
+            from fpa_model.context_parallel import attention_forward_sp
+
+            return attention_forward_sp(self, x)
         q, k, v, u = self.project(x)
         phi = self.field_from_increments(u)
         return self.output(self.attend(q, k, v, phi), x)
