@@ -150,7 +150,12 @@ def _sp_loss_check(rank: int, world: int) -> dict[str, float]:
     return {"loss": abs(loss.item() - ref.item()), "grad": float(grad_err)}
 
 
-GPT_CASES = [("fpa", "walk"), ("fox", "gate"), ("softmax", "walk")]
+GPT_CASES = [
+    ("fpa", "walk", "ring"),
+    ("fox", "gate", "ring"),
+    ("softmax", "walk", "ring"),
+    ("fpa", "walk", "ulysses"),
+]
 
 
 def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
@@ -160,7 +165,7 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     from fpa_model.model import GPT
 
     out: dict[str, dict[str, float]] = {}
-    for kind, field in GPT_CASES:
+    for kind, field, mode in GPT_CASES:
         # field_weight_std > 0: a data-dependent field, so dips (and M across ranks) really occur.
         att = AttentionConfig(kind=kind, field=field, block_size=4, field_weight_std=0.5)
         cfg = ModelConfig(vocab_size=61, n_layer=2, n_head=2, d_model=32, max_seq_len=64, attention=att)
@@ -171,7 +176,7 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
         ref_loss = ref_model.loss(tokens[:, :-1], tokens[:, 1:])
         ref_loss.backward()
 
-        enable_sequence_parallel(sp_model, dist.group.WORLD)
+        assert enable_sequence_parallel(sp_model, dist.group.WORLD, mode=mode) == cfg.n_layer
         x, y = shard_batch(tokens, rank, world)
         loss = sequence_parallel_cross_entropy(sp_model(x), y, dist.group.WORLD)
         loss.backward()
@@ -182,7 +187,7 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
             dist.all_reduce(g)  # the group's per-rank shares sum to the full gradient
             r = ref_params[name].grad
             errs[name] = float((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12))
-        out[f"{kind}-{field}"] = errs
+        out[f"{kind}-{field}-{mode}"] = errs
     return out
 
 
@@ -268,8 +273,10 @@ def test_sequence_parallel_matches_single_process(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("kind", "field"), GPT_CASES)
-def test_gpt_sequence_parallel_step_matches_one_rank(kind: str, field: str, tmp_root: Path) -> None:
+@pytest.mark.parametrize(("kind", "field", "mode"), GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
+def test_gpt_sequence_parallel_step_matches_one_rank(
+    kind: str, field: str, mode: str, tmp_root: Path
+) -> None:
     from fpa_model.attention import Attention
 
     if not hasattr(Attention, "sp_group"):
@@ -278,7 +285,7 @@ def test_gpt_sequence_parallel_step_matches_one_rank(kind: str, field: str, tmp_
     for rank, res in enumerate(results):
         r = res["_gpt_sp_step"]
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
-        errs = r[f"{kind}-{field}"]
+        errs = r[f"{kind}-{field}-{mode}"]
         assert len(errs) > 5  # the loss and every parameter
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
