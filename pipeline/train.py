@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -> dict[str, Any]:
     tc = cfg.train
     ds: dict[str, Any] = {
-        "train_batch_size": d.global_batch,
+        # DeepSpeed sees every rank as data parallel: under sequence parallelism its "batch" counts each
+        # sequence once per rank of its group (the loss's grad_scale undoes the extra averaging).
+        "train_batch_size": d.global_batch * d.sequence_parallel,
         "train_micro_batch_size_per_gpu": d.micro_batch,
         "gradient_accumulation_steps": d.grad_accum,
         "gradient_clipping": tc.grad_clip,
@@ -187,6 +190,37 @@ def batch_to_xy(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.T
     return x.to(device=device, dtype=torch.long), y.to(device=device, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class _SeqParallel:
+    """parallel.sequence > 1: the ranks of one group share every sequence, each holding a chunk of it."""
+
+    group: Any
+    rank: int
+    degree: int
+    layout: str
+
+
+def micro_loss(
+    engine: Any, batch: Any, device: torch.device, sp: _SeqParallel | None
+) -> tuple[torch.Tensor, int]:
+    """Mean next-token loss of one micro batch and the number of tokens it covers.
+
+    Under sequence parallelism the loss is the mean over the whole sequences (the same value on every rank
+    of the group); grad_scale=degree undoes DeepSpeed averaging gradients over the dp x sp ranks.
+    """
+    if sp is None:
+        x, y = batch_to_xy(batch, device)
+        logits = engine(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten()), y.numel()
+    from fpa_model.context_parallel import sequence_parallel_cross_entropy, shard_batch
+
+    rows = batch if isinstance(batch, torch.Tensor) else torch.as_tensor(np.asarray(batch))
+    x, y = shard_batch(rows.long(), sp.rank, sp.degree, layout=sp.layout)
+    logits = engine(x.to(device))
+    loss = sequence_parallel_cross_entropy(logits, y.to(device), sp.group, grad_scale=sp.degree)
+    return loss, y.numel() * sp.degree
+
+
 class _Batches:
     """next() over a loader, starting a new pass when one ends (the loader decides the epoch order)."""
 
@@ -279,7 +313,13 @@ def _discard_step(engine: Any) -> None:
 
 @torch.no_grad()
 def evaluate(
-    engine: Any, cfg: RunConfig, make_loader: LoaderFactory, dp_rank: int, dp_world: int, device: torch.device
+    engine: Any,
+    cfg: RunConfig,
+    make_loader: LoaderFactory,
+    dp_rank: int,
+    dp_world: int,
+    device: torch.device,
+    sp: _SeqParallel | None = None,
 ) -> float:
     """Mean validation loss over train.val_batches global batches (the same sequences every time).
 
@@ -297,10 +337,8 @@ def evaluate(
                 batch = next(it)
             except StopIteration:
                 break
-            x, y = batch_to_xy(batch, device)
-            logits = engine(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            total += torch.tensor([loss.item(), y.numel()], dtype=torch.float64)
+            loss, n = micro_loss(engine, batch, device, sp)
+            total += torch.tensor([loss.item() * n, n], dtype=torch.float64)
     finally:
         engine.train()
         if hasattr(loader, "close"):
@@ -364,10 +402,13 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
 
     make_loader = make_loader or default_loader
     info = dist_utils.init_distributed(cfg.parallel.backend)
-    if cfg.parallel.sequence != 1:
-        raise ConfigError("parallel.sequence > 1 is not supported by pipeline.train yet; set it to 1")
     d = derive(cfg, info.world_size)
-    dp_rank, dp_world = info.rank, d.data_parallel
+    dp_rank, dp_world, sp = info.rank, d.data_parallel, None
+    if d.sequence_parallel > 1:
+        from fpa_model.context_parallel import make_groups
+
+        _, sp_group, dp_rank, dp_world, sp_rank = make_groups(d.sequence_parallel)
+        sp = _SeqParallel(sp_group, sp_rank, d.sequence_parallel, cfg.parallel.sequence_layout)
     _resolve_vocab(cfg)
     tc = cfg.train
     root = cfg.run_dir / "checkpoints"
@@ -387,6 +428,10 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
+    if sp is not None:
+        from fpa_model.context_parallel import enable_sequence_parallel
+
+        enable_sequence_parallel(model, sp.group, layout=sp.layout, mode=cfg.parallel.sequence_mode)
     n_params = model.num_parameters()
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     if info.is_main:
@@ -472,10 +517,9 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
             bad_step, loss_sum, stop_req = False, 0.0, 0.0
             for _micro in range(d.grad_accum):
                 t_wait = time.perf_counter()
-                x, y = batch_to_xy(batches.next(), device)
+                batch = batches.next()
                 wait += time.perf_counter() - t_wait
-                logits = engine(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                loss, _ = micro_loss(engine, batch, device, sp)
                 if nan_step == step and dp_rank == dp_world - 1 and _micro == d.grad_accum - 1:
                     # Test hook: a real non-finite loss on one rank, in the last micro batch (the earlier
                     # ones were already backpropagated, the hardest case for dropping the step).
@@ -491,7 +535,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 if flags[1] > 0:
                     bad_step = True  # every rank knows, whichever rank saw it
                 else:
-                    loss_sum += float(flags[0]) / dp_world
+                    loss_sum += float(flags[0]) / info.world_size  # sp ranks of a group hold one value
                 # ZeRO-0 keeps NaN out of the gradients (the step is discarded by hand); ZeRO 1-3 let it
                 # through so DeepSpeed's own non-finite-norm skip drops the step and resets its buffers.
                 if not bad_step or tc.zero_stage > 0:
@@ -578,7 +622,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 )
                 window = {"loss": 0.0, "n": 0, "time": 0.0, "wait": 0.0, "tokens": 0}
             if tc.val_every and (step % tc.val_every == 0 or step == tc.max_steps):
-                val_loss = evaluate(engine, cfg, make_loader, dp_rank, dp_world, device)
+                val_loss = evaluate(engine, cfg, make_loader, dp_rank, dp_world, device, sp)
                 logger.log({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))}, step)
                 _append_jsonl_rank0(info.is_main, metrics_file, {"step": step, "val_loss": val_loss})
             every = tc.checkpoint.every

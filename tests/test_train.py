@@ -108,6 +108,18 @@ def test_two_ranks_match_one_rank(reference, two_rank):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_sequence_parallel_two_ranks_match_one_rank(mode, cfg_path, reference, tmp_path):
+    """parallel.sequence=2: both ranks share every sequence (zigzag chunks), the same global batch as the
+    reference; the loss curve and the validation loss equal the 1-rank run's."""
+    over = [*BASE, "parallel.sequence=2", f"parallel.sequence_mode={mode}", f"runs_dir={tmp_path}"]
+    proc = run_training(cfg_path, over, nproc=2)
+    assert_same_curve(losses(reference[0]), losses(tmp_path / "t"), tol=5e-5)
+    assert summary_of(proc)["val_loss"] == pytest.approx(reference[1]["val_loss"], rel=1e-4)
+    assert summary_of(proc)["tokens"] == 12 * 4 * 32  # tokens are counted once per sequence group
+
+
+@pytest.mark.distributed
 def test_resume_two_ranks_on_one_rank(cfg_path, reference, two_rank, tmp_path):
     """A ZeRO-2 checkpoint of 2 ranks, resumed on 1 rank (universal checkpoint), continues the curve."""
     src = two_rank[0]
