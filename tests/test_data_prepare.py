@@ -395,6 +395,8 @@ def test_default_config_prepares_well_under_a_minute(tmp_path: Path) -> None:
     # on 2 free cores the wall time is well under a minute. The wall bound only catches a hang.
     assert cpu() - c0 < 30, (cpu() - c0, summary)
     assert summary["seconds"] < 120, summary
-    assert summary["splits"]["train"]["documents"] == 1189  # KJV chapters
+    train = summary["splits"]["train"]
+    assert train["passkey_documents"] == round(cfg.passkey_mix * 1189)  # mixed into train only
+    assert train["documents"] == 1189 + train["passkey_documents"]  # KJV chapters + passkey documents
     assert summary["splits"]["validation"]["documents"] == 10033  # Wikipedia summaries
     assert load_index(tmp_path / "d").vocab_size == 4096
