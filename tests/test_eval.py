@@ -363,3 +363,6 @@ def test_report_without_passkey_and_with_a_skipped_length() -> None:
     md = report_markdown(rep)
     assert "| 64 | 2.0000 | 7.39 | 1.5000 | - | - |" in md
     assert "Passkey accuracy" not in md
+    assert "passkey-retrieval documents" not in md  # no mix recorded: no claim about the training data
+    rep["passkey_mix"] = 0.25
+    assert "- training data: 25% of the documents were passkey-retrieval documents" in report_markdown(rep)

@@ -153,6 +153,7 @@ def _evaluate(
         train_val_loss=_float_or_none(train_result.get("val_loss")),
         passkey=passkey,
         ppl=ppl,
+        passkey_mix=cfg.data.passkey_mix,
     )
     write_report(report, out_dir)
     headline = {

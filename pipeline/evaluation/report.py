@@ -10,6 +10,8 @@ is null, never absent):
     seq_len                               training length in tokens
     n_params                              unique parameters
     checkpoint                            the weights evaluated
+    passkey_mix                           fraction of training documents that were passkey documents
+                                          (data.passkey_mix; null if unknown)
     final_val_loss                        training's last validation loss; the eval loss at 1x if training
                                           recorded none
     final_val_loss_source                 "train" | "eval" | null
@@ -47,6 +49,7 @@ REPORT_KEYS = (
     "seq_len",
     "n_params",
     "checkpoint",
+    "passkey_mix",
     "final_val_loss",
     "final_val_loss_source",
     "passkey_accuracy",
@@ -76,6 +79,7 @@ def build_report(
     train_val_loss: float | None,
     passkey: dict[str, Any] | None,
     ppl: dict[str, Any] | None,
+    passkey_mix: float | None = None,
 ) -> dict[str, Any]:
     """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results."""
     full = (passkey or {}).get("modes", {}).get("full")
@@ -107,6 +111,7 @@ def build_report(
         "seq_len": seq_len,
         "n_params": n_params,
         "checkpoint": checkpoint,
+        "passkey_mix": passkey_mix,
         "final_val_loss": val_loss,
         "final_val_loss_source": source,
         "passkey_accuracy": full["accuracy"] if full else None,
@@ -162,6 +167,14 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"- attention: **{r['kind']}**" + (f" (field `{r['field']}`)" if r["field"] else ""),
         f"- parameters: {r['n_params']:,}; training length {r['seq_len']} tokens",
         f"- weights: `{r['checkpoint']}`",
+        *(
+            [
+                f"- training data: {_pct(r['passkey_mix'])} of the documents were passkey-retrieval "
+                "documents (data.passkey_mix), so the passkey grid tests a format the model was shown"
+            ]
+            if r.get("passkey_mix")
+            else []
+        ),
         f"- final validation loss: {_f(r['final_val_loss'], 4)} ({r['final_val_loss_source'] or 'n/a'})",
         f"- passkey accuracy: full cache {_pct(r['passkey_accuracy'])}, "
         f"compressed {_pct(r['passkey_accuracy_compressed'])} "
