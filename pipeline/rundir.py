@@ -13,6 +13,7 @@ the stage reads and of its input files. Any change to those redoes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -109,13 +110,28 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         text = to_yaml(self.cfg)
         cfg_path = self.path / "config.yaml"
-        if cfg_path.exists() and cfg_path.read_text() != text:
+        if cfg_path.exists() and cfg_path.read_text() != text and not self._only_vocab_resolved(cfg_path):
             hist = self.path / "config_history"
             hist.mkdir(exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(cfg_path.stat().st_mtime))
             shutil.copy2(cfg_path, hist / f"config-{stamp}.yaml")
         _atomic_write(cfg_path, text)
         _atomic_write(self.path / "git.json", json.dumps(git_info(), indent=2) + "\n")
+
+    def _only_vocab_resolved(self, saved: Path) -> bool:
+        """True when the saved config differs only by training having filled in model.vocab_size from the
+        data (not a change worth keeping in config_history)."""
+        from pipeline.config import from_yaml_text
+
+        try:
+            old = from_yaml_text(saved.read_text())
+        except Exception:  # an unreadable or older-schema config is kept in history
+            return False
+        if None not in (old.model.vocab_size, self.cfg.model.vocab_size):
+            return False
+        vocab = old.model.vocab_size or self.cfg.model.vocab_size
+        same = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, vocab_size=vocab))
+        return dataclasses.replace(old, model=dataclasses.replace(old.model, vocab_size=vocab)) == same
 
     # -- manifests ---------------------------------------------------------------------------------
     def read_manifest(self, stage: str) -> Manifest | None:

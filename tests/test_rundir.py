@@ -52,6 +52,13 @@ def test_changed_config_is_kept_in_history(tmp_path: Path) -> None:
     assert len(hist) == 1 and "lr: 0.1" in hist[0].read_text()
 
 
+def test_resolved_vocab_size_is_not_a_config_change(tmp_path: Path) -> None:
+    RunDir(_cfg(tmp_path)).init()
+    RunDir(_cfg(tmp_path, "model.vocab_size=4096")).init()  # what training writes back
+    RunDir(_cfg(tmp_path)).init()
+    assert not (tmp_path / "r/config_history").exists()
+
+
 def test_fingerprints_follow_what_each_stage_reads(tmp_path: Path) -> None:
     base = _cfg(tmp_path)
     # prepare depends on the data section, not on training or logging
