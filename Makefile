@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/attention.py
 	$(VENV)/bin/python bench/data.py
 	$(VENV)/bin/python bench/train.py
+	$(VENV)/bin/python bench/context_parallel.py
+	$(VENV)/bin/python bench/kernel.py  # prints "no CUDA device: skipping" on CPU
 
 clean:
 	rm -rf $(VENV) runs
