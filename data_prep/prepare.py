@@ -8,7 +8,8 @@ Splits: the train source feeds "train"; "validation" comes from its own source, 
 last `val_fraction` of the train documents. The tokenizer is trained on the train documents only, before
 any synthetic passkey documents are mixed in, so the passkey mix does not change the vocabulary.
 
-Passkey mix (cfg.passkey_mix > 0): round(passkey_mix * n_train_docs) whole passkey documents
+Passkey mix (cfg.passkey_mix > 0): round(passkey_mix / (1 - passkey_mix) * n_train_docs) whole passkey
+documents, so that they are that fraction of the train split's documents,
 (data_prep.passkey.passkey_documents) are inserted into the train document stream at positions drawn from
 a generator with a fixed seed (data.seed steers the loader's order only, never the bytes on disk); their
 filler count is capped so that a document fits one sequence.
@@ -208,7 +209,7 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     docs: Iterable[str] = train_docs()
     if cfg.passkey_mix > 0:
         assert n_train is not None
-        n_passkey = round(cfg.passkey_mix * n_train)
+        n_passkey = passkey_count(cfg.passkey_mix, n_train)
         docs = _mix_passkey(docs, n_train, n_passkey, cfg, tok)
     writer = _writer(root, "train", cfg, dtype)
     total = None if n_train is None else n_train + n_passkey
@@ -325,6 +326,11 @@ def _progress_bar(enabled: bool, total: int | None, desc: str) -> Callable[[int 
             t.update(n)
 
     return update
+
+
+def passkey_count(mix: float, n_train: int) -> int:
+    """Passkey documents to add so they are `mix` of the train split's documents (mix < 1)."""
+    return round(mix / (1.0 - mix) * n_train)
 
 
 def _mix_passkey(

@@ -163,15 +163,17 @@ def test_passkey_mix_goes_into_train_only(tmp_path: Path) -> None:
     prepare_data(cfg, tmp_path / "d", progress=False)
     index = load_index(tmp_path / "d")
     n_train = 120 - 12
-    assert index.stats["train"]["passkey_documents"] == round(0.25 * n_train)
-    assert index.stats["train"]["documents"] == n_train + round(0.25 * n_train)
+    n_pk = index.stats["train"]["passkey_documents"]
+    assert n_pk == round(0.25 / 0.75 * n_train)  # a quarter of the train split's documents
+    assert n_pk / (n_pk + n_train) == pytest.approx(0.25, abs=0.5 / (n_pk + n_train))
+    assert index.stats["train"]["documents"] == n_train + n_pk
     assert index.stats["validation"]["passkey_documents"] == 0
     assert index.config["passkey_mix"] == 0.25
     tok = load_tokenizer(tmp_path / "d")
     train_text = tok.decode(all_rows(tmp_path / "d", "train").reshape(-1).tolist())
     val_text = tok.decode(all_rows(tmp_path / "d", "validation").reshape(-1).tolist())
     n = train_text.count("Remember it.")
-    assert round(0.25 * n_train) - 1 <= n <= round(0.25 * n_train)  # the dropped tail may cut one
+    assert n_pk - 1 <= n <= n_pk  # the dropped tail may cut one
     assert "Remember it." not in val_text
     # data.seed steers only the loader: the same bytes on disk, passkey mix included
     prepare_data(dataclasses.replace(cfg, seed=99), tmp_path / "e", progress=False)
@@ -396,7 +398,8 @@ def test_default_config_prepares_well_under_a_minute(tmp_path: Path) -> None:
     assert cpu() - c0 < 30, (cpu() - c0, summary)
     assert summary["seconds"] < 120, summary
     train = summary["splits"]["train"]
-    assert train["passkey_documents"] == round(cfg.passkey_mix * 1189)  # mixed into train only
+    n_pk = round(cfg.passkey_mix / (1 - cfg.passkey_mix) * 1189)
+    assert train["passkey_documents"] == n_pk  # mixed into train only
     assert train["documents"] == 1189 + train["passkey_documents"]  # KJV chapters + passkey documents
     assert summary["splits"]["validation"]["documents"] == 10033  # Wikipedia summaries
     assert load_index(tmp_path / "d").vocab_size == 4096
