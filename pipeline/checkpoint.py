@@ -17,7 +17,6 @@ and is removed by the next save.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from pipeline import distributed as dist_utils
+from pipeline.atomic import atomic_write_text
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -42,12 +42,6 @@ class CheckpointError(Exception):
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file, never half of one
 
 
 def rng_state() -> dict[str, Any]:
@@ -146,8 +140,8 @@ def save(
     if rank == 0:
         meta = {"step": step, "world_size": dist_utils.world_size(), "tag": tag}
         meta.update({k: client_state[k] for k in ("tokens_seen", "wandb_run_id") if k in client_state})
-        _atomic_write(ckpt / COMPLETE, json.dumps(meta))
-        _atomic_write(root / LATEST, tag)
+        atomic_write_text(ckpt / COMPLETE, json.dumps(meta))
+        atomic_write_text(root / LATEST, tag)
         _prune(root, keep_last, current=step)
     dist_utils.barrier()
     return ckpt
@@ -199,7 +193,7 @@ def ensure_universal(ckpt: Path) -> Path:
     out = universal_dir(ckpt)
     if dist_utils.rank() == 0 and not (out / COMPLETE).is_file():
         convert_to_universal(ckpt, out)
-        _atomic_write(out / COMPLETE, (ckpt / COMPLETE).read_text())
+        atomic_write_text(out / COMPLETE, (ckpt / COMPLETE).read_text())
     dist_utils.barrier()
     return out
 

@@ -8,7 +8,6 @@ ZeRO-partitioned checkpoints are consolidated with DeepSpeed's get_fp32_state_di
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from fpa_model.config import ModelConfig
 from fpa_model.model import GPT
+from pipeline.atomic import atomic_write, atomic_write_text
 from pipeline.config import RunConfig, from_yaml_text, to_yaml
 
 WEIGHTS = "model.safetensors"
@@ -75,12 +75,6 @@ def _fp32_from_universal(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _atomic_save(write: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     """Write out_dir/model.safetensors + out_dir/config.yaml from a checkpoint; return out_dir.
 
@@ -109,8 +103,8 @@ def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> P
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(client.get("step", "")), "source": str(checkpoint_dir)}
-    _atomic_save(lambda p: save_file(sd, str(p), metadata=meta), out_dir / WEIGHTS)
-    _atomic_save(lambda p: p.write_text(to_yaml(cfg)), out_dir / CONFIG)
+    atomic_write(out_dir / WEIGHTS, lambda p: save_file(sd, str(p), metadata=meta))
+    atomic_write_text(out_dir / CONFIG, to_yaml(cfg))
     return out_dir
 
 

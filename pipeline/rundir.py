@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import time
@@ -26,18 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_prep.index import sha256_file
+from pipeline.atomic import atomic_write_text
 from pipeline.config import RunConfig, to_yaml
 
 STAGES = ("prepare", "train", "eval")
 log = logging.getLogger("fpa")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def sha256_json(obj: Any) -> str:
@@ -67,13 +60,6 @@ def git_info() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         return {"sha": "unknown", "dirty": None}
     return {"sha": sha, "dirty": dirty}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -115,8 +101,8 @@ class RunDir:
             hist.mkdir(exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(cfg_path.stat().st_mtime))
             shutil.copy2(cfg_path, hist / f"config-{stamp}.yaml")
-        _atomic_write(cfg_path, text)
-        _atomic_write(self.path / "git.json", json.dumps(git_info(), indent=2) + "\n")
+        atomic_write_text(cfg_path, text)
+        atomic_write_text(self.path / "git.json", json.dumps(git_info(), indent=2) + "\n")
 
     def _only_vocab_resolved(self, saved: Path) -> bool:
         """True when the saved config differs only by training having filled in model.vocab_size from the
@@ -145,7 +131,7 @@ class RunDir:
             return None
 
     def write_manifest(self, m: Manifest) -> None:
-        _atomic_write(self.manifest_path(m.stage), json.dumps(asdict(m), indent=2, default=str) + "\n")
+        atomic_write_text(self.manifest_path(m.stage), json.dumps(asdict(m), indent=2, default=str) + "\n")
 
     def is_done(self, stage: str, fingerprint: str) -> bool:
         m = self.read_manifest(stage)

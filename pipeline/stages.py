@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data_prep.index import sha256_file
 from pipeline.config import ConfigError, RunConfig, derive
-from pipeline.rundir import RunDir, hash_outputs, sha256_file, sha256_json
+from pipeline.rundir import RunDir, hash_outputs, sha256_json
 
 log = logging.getLogger("fpa")
 

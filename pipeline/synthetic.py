@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from fpa_model.attention import Attention
 from fpa_model.config import AttentionConfig
+from pipeline.atomic import atomic_write_text
 
 BOS = 0
 
@@ -539,9 +540,7 @@ def _write_outputs(
 ) -> None:
     # Write to temp names, then rename: a crash never leaves a half-written table beside a good plot.
     def atomic(name: str, text: str) -> None:
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out_dir / name)
+        atomic_write_text(out_dir / name, text)
 
     rows = [{k: r[k] for k in _FIELDS} for r in records]
     from io import StringIO
