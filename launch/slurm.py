@@ -153,7 +153,10 @@ def stage_command(cfg: RunConfig, stage: str) -> str:
     if stage != "train":
         return template(f"{stage}.sh").rstrip("\n")
     s = cfg.slurm
-    port = str(s.rdzv_port) if s.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    # A requeued job keeps its id: shift the derived port per restart, so the new rendezvous never races
+    # the previous attempt's store for a port that is still being released.
+    derived = "$((20000 + (SLURM_JOB_ID + 997 * ${SLURM_RESTART_COUNT:-0}) % 20000))"
+    port = str(s.rdzv_port) if s.rdzv_port else derived
     return fill(
         template("torchrun.sh"),
         {

@@ -190,7 +190,7 @@ class SlurmConfig:
     env_setup: str = ""  # shell lines run before training (module load, venv activate)
     prepare_time: str = "01:00:00"  # time limit of the single-process prepare job
     eval_time: str = "01:00:00"  # time limit of the single-process eval job
-    rdzv_port: int = 0  # torchrun c10d port on the first node; 0: 20000 + job id % 20000 (no clash)
+    rdzv_port: int = 0  # torchrun c10d port on the first node; 0: derived from job id and restart
     rdzv_timeout: int = 900  # seconds the torchrun agents wait for each other at start (init timeout)
     python: str | None = None  # interpreter on the compute nodes; None: the submitter's sys.executable
     local_tmp: str = "/tmp"  # node-local scratch: TRITON_CACHE_DIR is <local_tmp>/<user>/triton-<job id>
