@@ -17,13 +17,13 @@ import math
 import os
 import secrets
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig, to_yaml
+from pipeline.rundir import git_info
 
 
 class RunLogger:
@@ -129,23 +129,12 @@ class MultiLogger(RunLogger):
             lg.finish()
 
 
-def git_sha(cwd: str | Path | None = None) -> str | None:
-    """The HEAD commit of the source checkout (with "-dirty" when it has local changes), or None."""
-    cwd = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+def git_sha() -> str | None:
+    """The code's HEAD commit ("-dirty" with local changes), or None outside a git checkout."""
+    info = git_info()
+    if info["sha"] == "unknown":
         return None
-    return sha + ("-dirty" if dirty else "")
+    return info["sha"] + ("-dirty" if info["dirty"] else "")
 
 
 def new_run_id() -> str:
