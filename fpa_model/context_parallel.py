@@ -20,10 +20,12 @@ positions (-> M, the min over every chunk strictly between a key chunk and a que
 
 Forward. A ring (batch_isend_irecv, the next step's K/V/phi in flight while the current one is computed)
 brings every rank's K, V and phi to every other rank. A query chunk a against an earlier key chunk b uses
-b_ij = min(P_i, S_j, M(b+1..a-1)) - phi_j (fpa), phi_i - phi_j (fox) or 0 (softmax), computed by the
-chunked path's public cross-chunk block; same-chunk pairs use its diagonal block; the partial (out, lse)
-are merged by log-sum-exp. Nothing here is a second attention implementation: the per-pair math is
-fpa_model.ops.fpa.chunked.
+b_ij = min(P_i, S_j, M(b+1..a-1)) - phi_j (fpa), phi_i - phi_j (fox) or 0 (softmax), computed by a
+cross-chunk block; same-chunk pairs use a diagonal block; the partial (out, lse) are merged by
+log-sum-exp. Nothing here is a second attention implementation: the per-pair math is one of two sets of
+block functions with the same signatures (argument `impl`): the Triton kernels of
+fpa_model.ops.fpa.triton_kernel for CUDA tensors ("auto"), the PyTorch blocks of fpa_model.ops.fpa.chunked
+everywhere else. The ring only picks the pairs and their M, merges the results and routes the gradients.
 
 Backward. K, V, phi travel the ring again, together with accumulators dK, dV, dphi_K that end up back at
 the owner after W hops. The gradient that reaches M (one scalar per pair, batch and head) is added to a
@@ -31,9 +33,11 @@ the owner after W hops. The gradient that reaches M (one scalar per pair, batch 
 per-chunk totals of dphi, which the reverse scan of walk/gate fields needs) returns it to the rank that
 owns the argmin token. du = reverse cumsum of dphi inside the chunk + the sum of dphi over all later chunks.
 
-Tiles. A chunk pair is processed `block_size` query rows at a time (the workspace is block_size x chunk
-per batch and head, never chunk x chunk): rows [s, e) of a query chunk see P restarted at s, so the min of
-phi over the rows before s is folded into that tile's M and its gradient routed to that prefix argmin.
+Tiles. With the chunked blocks a chunk pair is processed `block_size` query rows at a time (the workspace
+is block_size x chunk per batch and head, never chunk x chunk): rows [s, e) of a query chunk see P
+restarted at s, so the min of phi over the rows before s is folded into that tile's M and its gradient
+routed to that prefix argmin. The Triton blocks tile on chip with O(chunk) memory, so they take whole
+chunks (s = 0: M is the between-chunks minimum itself).
 
 Ties follow the chunked path's rule (lowest index wins): chunk minima use the first argmin inside a chunk,
 M's argmin is the lowest chunk among equal minima, and M beats the query prefix it is folded with.
@@ -46,6 +50,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -262,6 +268,54 @@ def _ops() -> Any:
     return _OPS
 
 
+# Which block functions compute the chunk pairs: "chunked" (fpa_model.ops.fpa.chunked, PyTorch, any device,
+# row-tiled) or "triton" (fpa_model.ops.fpa.triton_kernel, whole chunks). "auto" picks Triton for CUDA
+# tensors it supports, "naive" (the layer's impl for tests) means chunked: the ring has no naive form.
+RING_IMPLS = ("auto", "naive", "chunked", "triton")
+_BLOCK_FNS = ("fpa_cross_forward", "fpa_cross_backward", "fpa_diag_forward", "fpa_diag_backward")
+_TRITON_BLOCK: int | None = None  # the Triton blocks' tile (None: autotuned); tests pin small tiles
+
+
+def _triton_blocks_unusable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the Triton blocks cannot run these tensors here, or None if they can."""
+    try:
+        from fpa_model.ops.fpa import triton_kernel as tk
+    except Exception as e:  # no triton, or a broken install
+        return f"{type(e).__name__}: {e}"
+    if not q.is_cuda and not tk._INTERPRET:
+        return "they need CUDA tensors (or TRITON_INTERPRET=1 set before the kernels are imported)"
+    if q.shape[-1] > tk.MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
+        return f"head dims q {q.shape[-1]}, v {v.shape[-1]}: they need equal head dims <= {tk.MAX_HEAD_DIM}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: they take one of fp32, bf16, fp16"
+    return None
+
+
+def _resolve_impl(impl: str, q: Tensor, k: Tensor, v: Tensor) -> str:
+    """Which blocks run this call, "chunked" or "triton"; a clear error where a forced "triton" cannot."""
+    if impl not in RING_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {RING_IMPLS}")
+    if impl in ("naive", "chunked"):
+        return "chunked"
+    if impl == "auto":
+        return "triton" if q.is_cuda and _triton_blocks_unusable(q, k, v) is None else "chunked"
+    why = _triton_blocks_unusable(q, k, v)
+    if why is not None:
+        raise RuntimeError(
+            f"context-parallel impl 'triton' is unavailable here ({why}); use impl='chunked' or 'auto'"
+        )
+    return "triton"
+
+
+def _block_fns(impl: str) -> Any:
+    """The four block functions of `impl` (same signatures; the Triton ones get the ring's tile size)."""
+    if impl == "chunked":
+        return _ops()
+    from fpa_model.ops.fpa import triton_kernel as tk
+
+    return SimpleNamespace(**{n: partial(getattr(tk, n), block_size=_TRITON_BLOCK) for n in _BLOCK_FNS})
+
+
 def _group_info(group: Any) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1  # a single process without torch.distributed
@@ -304,6 +358,12 @@ def _row_tiles(n: int, rows: int) -> list[tuple[int, int]]:
     """Query row ranges of a chunk of n: `rows` (block_size) each, more while a tile stays small."""
     rows = max(rows, min(n, _TILE_SCORES // max(n, 1)))
     return [(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def _tiles(impl: str, n: int, rows: int) -> list[tuple[int, int]]:
+    """Row tiles for the chunked blocks; the Triton kernels tile on chip with O(n) memory: whole chunks
+    (s == 0, so a pair's M is never folded with a query prefix and a diagonal pair is one causal block)."""
+    return [(0, n)] if impl == "triton" else _row_tiles(n, rows)
 
 
 def _chunks(
@@ -367,8 +427,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         group: Any,
         scale: float,
         rows: int,
+        impl: str,
     ) -> Tensor:
-        ops = _ops()
+        ops, blk = _ops(), _block_fns(impl)
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
@@ -397,19 +458,19 @@ class _ContextParallelAttention(torch.autograd.Function):
                     if b > a:
                         continue
                     m = _between_min(fld.minima, b, a)[0] if kind == "fpa" else None
-                    for s, e in _row_tiles(c, rows):
+                    for s, e in _tiles(impl, c, rows):
                         qt = qs[ia][..., s:e, :]
                         if b == a:
                             # Rows [s, e) of a chunk against itself: a causal tile over [s, e) plus a
                             # cross tile against the adjacent keys [0, s) (M = +inf), which is much
                             # cheaper than the diagonal block's direct range min over all of [0, e).
                             pd = phis_q[ia][..., s:e] if phi is not None else None
-                            o, lt = ops.fpa_diag_forward(
+                            o, lt = blk.fpa_diag_forward(
                                 qt, kk[ib][..., s:e, :], vv[ib][..., s:e, :], pd, kind=kind, scale=scale
                             )
                             if s > 0:
                                 p0 = pk[ib][..., :s] if phi is not None else None
-                                o2, l2 = ops.fpa_cross_forward(
+                                o2, l2 = blk.fpa_cross_forward(
                                     qt,
                                     kk[ib][..., :s, :],
                                     vv[ib][..., :s, :],
@@ -423,7 +484,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                         else:
                             mt = _tile_m(kind, m, pmins[ia], s)[0]
                             pq = phis_q[ia][..., s:e] if phi is not None else None
-                            o, lt = ops.fpa_cross_forward(
+                            o, lt = blk.fpa_cross_forward(
                                 qt, kk[ib], vv[ib], pq, pk[ib], mt, kind=kind, scale=scale
                             )
                         o_m, l_m = ops.merge_lse(outs[ia][..., s:e, :], lses[ia][..., s:e], o, lt)
@@ -437,14 +498,14 @@ class _ContextParallelAttention(torch.autograd.Function):
         minima = fld.minima if fld is not None else None
         argmin = fld.argmin if fld is not None else None
         ctx.save_for_backward(q, k, v, phi, out_t, lse, minima, argmin)
-        ctx.meta = (kind, field, layout, group, scale, rows, u is not None)
+        ctx.meta = (kind, field, layout, group, scale, rows, impl, u is not None)
         return out_t
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        ops = _ops()
         q, k, v, phi, out, lse, minima, argmin = ctx.saved_tensors
-        kind, field, layout, group, scale, rows, has_u = ctx.meta
+        kind, field, layout, group, scale, rows, impl, has_u = ctx.meta
+        ops, blk = _ops(), _block_fns(impl)
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
@@ -484,13 +545,13 @@ class _ContextParallelAttention(torch.autograd.Function):
                     if b > a:
                         continue
                     m, m_at = _between_min(minima, b, a) if kind == "fpa" else (None, None)
-                    for s, e in _row_tiles(c, rows):
+                    for s, e in _tiles(impl, c, rows):
                         args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
                         tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}
                         if b == a:  # the same split as the forward: causal [s, e) + cross [0, s)
                             pd = phis_q[ia][..., s:e] if has_field else None
                             kd, vd = kk[ib][..., s:e, :], vv[ib][..., s:e, :]
-                            g = ops.fpa_diag_backward(*args, kd, vd, pd, **tile, kind=kind, scale=scale)
+                            g = blk.fpa_diag_backward(*args, kd, vd, pd, **tile, kind=kind, scale=scale)
                             dqs[ia][..., s:e, :] += g.dq
                             gk[ib][..., s:e, :] += g.dk
                             gv[ib][..., s:e, :] += g.dv
@@ -500,7 +561,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                                 continue
                             p0 = pk[ib][..., :s] if has_field else None
                             k0, v0 = kk[ib][..., :s, :], vv[ib][..., :s, :]
-                            g2 = ops.fpa_cross_backward(
+                            g2 = blk.fpa_cross_backward(
                                 *args, k0, v0, pd, p0, no_m, **tile, kind=kind, scale=scale
                             )
                             dqs[ia][..., s:e, :] += g2.dq
@@ -512,7 +573,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                             continue
                         mt, m_wins = _tile_m(kind, m, pmin, s)
                         pq = phis_q[ia][..., s:e] if has_field else None
-                        g = ops.fpa_cross_backward(
+                        g = blk.fpa_cross_backward(
                             *args, kk[ib], vv[ib], pq, pk[ib], mt, **tile, kind=kind, scale=scale
                         )
                         dqs[ia][..., s:e, :] += g.dq
@@ -549,7 +610,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             du = _field_backward(
                 acc[..., -1] + dphi_q, dm_buf, argmin, kind, field, ids, group, world, layout
             )
-        return dq.to(q.dtype), dk_t, dv_t, du, None, None, None, None, None, None
+        return dq.to(q.dtype), dk_t, dv_t, du, None, None, None, None, None, None, None
 
 
 def _field_backward(
@@ -626,6 +687,7 @@ def context_parallel_attention(
     scale: float | None = None,
     block_size: int = 64,
     layout: str = "zigzag",
+    impl: str = "auto",
 ) -> Tensor:
     """Causal FPA / FoX / softmax attention of a sequence split over the ranks of `group`.
 
@@ -635,9 +697,13 @@ def context_parallel_attention(
     None (or ignored) for kind "softmax". Returns this rank's output (B, H, T/W, D) in q's dtype, equal
     to the single-process attention over the whole sequence. Differentiable w.r.t. q, k, v and u_or_phi.
     group None: the default world group (or a single process without torch.distributed).
-    block_size: query rows per tile (workspace B x H x block_size x T/(2W) floats per temporary).
-    T must be divisible by 2W (zigzag) or W (contiguous); every rank must pass the same shapes.
-    Per-pair math runs on the chunked path's PyTorch building blocks on any device (not the Triton kernel).
+    block_size: query rows per tile of the chunked blocks (workspace B x H x block_size x T/(2W) floats
+    per temporary); the Triton blocks take whole chunks and tile on chip.
+    impl: which blocks compute the chunk pairs. "auto": the Triton kernels (fpa_model.ops.fpa.triton_kernel)
+    for CUDA tensors they support (fp32/bf16/fp16, equal head dims <= 128), the chunked PyTorch blocks
+    otherwise; "chunked" (or "naive") / "triton" force one ("triton" on CPU only under TRITON_INTERPRET=1,
+    else a RuntimeError). T must be divisible by 2W (zigzag) or W (contiguous); every rank must pass the
+    same shapes (and impl).
     """
     u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)
     _, world = _group_info(group)
@@ -649,8 +715,12 @@ def context_parallel_attention(
         )
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    # Resolved before any communication: a forced impl that cannot run fails on every rank alike.
+    impl = _resolve_impl(impl, q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _ContextParallelAttention.apply(q, k, v, u_or_phi, kind, field, layout, group, scale, block_size)
+    return _ContextParallelAttention.apply(
+        q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -781,7 +851,9 @@ def attention_forward_sp(
     if mode == "ulysses":
         o = ulysses_attention(q, k, v, u, **common, block_size=attn.cfg.block_size, impl=attn.cfg.impl)
     elif mode == "ring":
-        o = context_parallel_attention(q, k, v, u, **common, block_size=attn.cfg.block_size)
+        o = context_parallel_attention(
+            q, k, v, u, **common, block_size=attn.cfg.block_size, impl=attn.cfg.impl
+        )
     else:
         raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {SP_MODES}")
     return attn.output(o, x)

@@ -1,7 +1,9 @@
 """Sequence-parallel FPA: W spawned gloo ranks vs one process running the naive oracle.
 
 Spawning ranks is the slow part (each imports torch), so one spawn per world size runs every case and
-writes per-case errors to JSON; the parametrized tests below only read those numbers.
+writes per-case errors to JSON; the parametrized tests below only read those numbers. The ring runs on
+the chunked blocks on CPU; the impl="triton" cases run its Triton blocks under the interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1, which the spawned ranks inherit).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
 import os
 import traceback
 from pathlib import Path
@@ -38,6 +41,19 @@ FIELD_CASES = [("fpa", f) for f in ("walk", "gate", "direct")] + [
     ("fox", f) for f in ("walk", "gate", "direct")
 ]
 ALL_KINDS = [*FIELD_CASES, ("softmax", "walk")]
+# The ring on its Triton blocks (interpreter: few cases, one batch, two heads, 16-row tiles; chunks of 20
+# (zigzag) and 40 (contiguous) tokens at W=2: several tiles per chunk, the last one ragged).
+TRITON_SEQ = 80
+TRITON_BH = (1, 2)
+TRITON_BLOCK = 16
+TRITON_CASES = [
+    ("zigzag", "fpa", "walk"),
+    ("zigzag", "fpa", "direct"),
+    ("zigzag", "fpa", "ties"),
+    ("zigzag", "fox", "gate"),
+    ("zigzag", "softmax", "walk"),
+    ("contiguous", "fpa", "walk"),
+]
 CASES = (
     [("ring", layout, kind, field) for layout in ("zigzag", "contiguous") for kind, field in ALL_KINDS]
     + [("ulysses", "zigzag", kind, field) for kind, field in ALL_KINDS]
@@ -50,9 +66,11 @@ def _case_id(world: int, mode: str, layout: str, kind: str, field: str) -> str:
     return f"W{world}-{mode}-{layout}-{kind}-{field if kind != 'softmax' else 'nofield'}"
 
 
-def _make_inputs(kind: str, field: str, seed: int, seq: int = SEQ) -> dict[str, torch.Tensor]:
+def _make_inputs(
+    kind: str, field: str, seed: int, seq: int = SEQ, b: int = 2, h: int = 4
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    b, h, d = 2, 4, 8  # 4 heads: Ulysses splits heads over up to 4 ranks
+    d = 8  # 4 heads by default: Ulysses splits heads over up to 4 ranks
     t = {
         name: torch.randn(b, h, seq, d, generator=g, dtype=torch.float64) for name in ("q", "k", "v", "dout")
     }
@@ -84,9 +102,19 @@ def _reference(t: dict[str, torch.Tensor], kind: str, field: str) -> dict[str, t
 
 
 def _run_case(
-    rank: int, world: int, mode: str, layout: str, kind: str, field: str, seed: int, group: object = None
+    rank: int,
+    world: int,
+    mode: str,
+    layout: str,
+    kind: str,
+    field: str,
+    seed: int,
+    group: object = None,
+    impl: str = "auto",
+    seq: int = SEQ,
+    bh: tuple[int, int] = (2, 4),
 ) -> dict[str, float]:
-    t = _make_inputs(kind, field, seed)
+    t = _make_inputs(kind, field, seed, seq, *bh)
     ref = _reference(t, kind, field)
     loc = {
         n: shard_sequence(t[n].float(), rank, world, dim=2, layout=layout)
@@ -98,7 +126,7 @@ def _run_case(
     out = attention(
         leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field="direct" if field == "ties" else field,
         group=group, block_size=BLOCK,
-        layout=layout,
+        layout=layout, impl=impl,
     )  # fmt: skip
     out.backward(loc["dout"])
     got = {"out": out.detach()} | {"d" + n: leaf.grad for n, leaf in leaves.items() if leaf.grad is not None}
@@ -151,10 +179,11 @@ def _sp_loss_check(rank: int, world: int) -> dict[str, float]:
 
 
 GPT_CASES = [
-    ("fpa", "walk", "ring"),
-    ("fox", "gate", "ring"),
-    ("softmax", "walk", "ring"),
-    ("fpa", "walk", "ulysses"),
+    ("fpa", "walk", "ring", "auto"),
+    ("fox", "gate", "ring", "auto"),
+    ("softmax", "walk", "ring", "auto"),
+    ("fpa", "walk", "ulysses", "auto"),
+    ("fpa", "walk", "ring", "triton"),  # the layer's impl reaches the ring: its Triton blocks
 ]
 
 
@@ -165,9 +194,18 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     from fpa_model.model import GPT
 
     out: dict[str, dict[str, float]] = {}
-    for kind, field, mode in GPT_CASES:
+    block_impls: list[str] = []
+    block_fns = cp._block_fns
+
+    def spy(impl: str) -> object:
+        block_impls.append(impl)
+        return block_fns(impl)
+
+    cp._block_fns = spy
+    for kind, field, mode, impl in GPT_CASES:
+        block_impls.clear()
         # field_weight_std > 0: a data-dependent field, so dips (and M across ranks) really occur.
-        att = AttentionConfig(kind=kind, field=field, block_size=4, field_weight_std=0.5)
+        att = AttentionConfig(kind=kind, field=field, block_size=4, field_weight_std=0.5, impl=impl)
         cfg = ModelConfig(vocab_size=61, n_layer=2, n_head=2, d_model=32, max_seq_len=64, attention=att)
         torch.manual_seed(0)
         sp_model = GPT(cfg)
@@ -187,7 +225,26 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
             dist.all_reduce(g)  # the group's per-rank shares sum to the full gradient
             r = ref_params[name].grad
             errs[name] = float((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12))
-        out[f"{kind}-{field}-{mode}"] = errs
+        if mode == "ring":  # 0 when every ring call ran on the blocks the layer's impl asks for
+            want = "triton" if impl == "triton" else "chunked"
+            errs["ring_blocks"] = 0.0 if block_impls and set(block_impls) == {want} else math.inf
+        out[f"{kind}-{field}-{mode}-{impl}"] = errs
+    cp._block_fns = block_fns
+    return out
+
+
+def _triton_ring(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """The ring on its Triton blocks (impl="triton", interpreter) vs the oracle, per TRITON_CASES."""
+    out: dict[str, dict[str, float]] = {}
+    for i, (layout, kind, field) in enumerate(TRITON_CASES):
+        cid = "-".join((layout, kind, field))
+        try:
+            out[cid] = _run_case(
+                rank, world, "ring", layout, kind, field, seed=300 + i, impl="triton", seq=TRITON_SEQ,
+                bh=TRITON_BH,
+            )  # fmt: skip
+        except Exception:
+            out[cid] = {"error": traceback.format_exc(limit=6)}
     return out
 
 
@@ -196,6 +253,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, extra: list[str
     # Tiles of exactly BLOCK query rows (short chunks would otherwise be one tile): exercises the folding
     # of the query prefix into M and the split of diagonal pairs.
     cp._TILE_SCORES = 0
+    cp._TRITON_BLOCK = TRITON_BLOCK  # several Triton tiles per chunk (autotune would take one 32 tile)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
@@ -240,7 +298,8 @@ def _extras(world: int) -> tuple[str, ...]:
 
     if world != 2:
         return ()
-    return ("_sp_loss_check", "_gpt_sp_step") if hasattr(Attention, "sp_group") else ("_sp_loss_check",)
+    extras = ("_sp_loss_check", "_triton_ring")
+    return (*extras, "_gpt_sp_step") if hasattr(Attention, "sp_group") else extras
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +332,23 @@ def test_sequence_parallel_matches_single_process(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("kind", "field", "mode"), GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
+@pytest.mark.parametrize(("layout", "kind", "field"), TRITON_CASES, ids=["-".join(c) for c in TRITON_CASES])
+def test_ring_on_triton_blocks_matches_single_process(
+    layout: str, kind: str, field: str, tmp_root: Path
+) -> None:
+    """2 gloo ranks, impl="triton" (the interpreter on CPU): outputs and every gradient vs the oracle."""
+    for rank, res in enumerate(_spawn(2, tmp_root, _extras(2))):
+        r = res["_triton_ring"]["-".join((layout, kind, field))]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        assert set(r) == {"out", "dq", "dk", "dv"} | (set() if kind == "softmax" else {"dpre"})
+        bad = {k: v for k, v in r.items() if not v < TOL}
+        assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("kind", "field", "mode", "impl"), GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
 def test_gpt_sequence_parallel_step_matches_one_rank(
-    kind: str, field: str, mode: str, tmp_root: Path
+    kind: str, field: str, mode: str, impl: str, tmp_root: Path
 ) -> None:
     from fpa_model.attention import Attention
 
@@ -285,7 +358,7 @@ def test_gpt_sequence_parallel_step_matches_one_rank(
     for rank, res in enumerate(results):
         r = res["_gpt_sp_step"]
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
-        errs = r[f"{kind}-{field}-{mode}"]
+        errs = r[f"{kind}-{field}-{mode}-{impl}"]
         assert len(errs) > 5  # the loss and every parameter
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
@@ -419,3 +492,36 @@ def test_sp_cross_entropy_single_rank_value_and_grad_scale() -> None:
     assert torch.allclose(scaled, ref)
     (g4,) = torch.autograd.grad(scaled, logits)
     assert torch.allclose(g4, 4 * g1)
+
+
+@pytest.mark.parametrize(
+    ("layout", "kind", "field"),
+    [TRITON_CASES[0], TRITON_CASES[3]],
+    ids=["zigzag-fpa-walk", "zigzag-fox-gate"],
+)
+def test_single_process_triton_blocks_match_oracle(
+    layout: str, kind: str, field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """world 1, impl="triton": one rank's diagonal and cross pairs on the Triton blocks (interpreter)."""
+    monkeypatch.setattr(cp, "_TRITON_BLOCK", TRITON_BLOCK)
+    errs = _run_case(0, 1, "ring", layout, kind, field, seed=9, impl="triton", seq=TRITON_SEQ, bh=TRITON_BH)
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, f"relative errors over {TOL}: {bad}"
+
+
+def test_ring_impl_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: chunked blocks on CPU tensors; naive means chunked; triton forced where it cannot run, or an
+    unknown impl, is a clear error before any communication."""
+    import fpa_model.ops.fpa.triton_kernel as tk
+
+    q = torch.zeros(1, 2, 8, 16)
+    assert cp._resolve_impl("auto", q, q, q) == "chunked"
+    assert cp._resolve_impl("naive", q, q, q) == "chunked"
+    assert cp._resolve_impl("triton", q, q, q) == "triton"  # CPU under the interpreter
+    with pytest.raises(RuntimeError, match="equal head dims <= 128"):
+        cp._resolve_impl("triton", q, q, torch.zeros(1, 2, 8, 8))
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        context_parallel_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="flash")
+    monkeypatch.setattr(tk, "_INTERPRET", False)
+    with pytest.raises(RuntimeError, match="impl 'triton' is unavailable here.*CUDA tensors"):
+        context_parallel_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="triton")
