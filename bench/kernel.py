@@ -12,8 +12,13 @@ Times are medians of triton.testing.do_bench; TFLOP/s count the causal half of t
 (forward 2 * B * H * T^2 * D, forward + backward 3.5x that). Without a CUDA device the script prints
 "no CUDA device: skipping" and exits 0.
 
+A second table times the sequence-parallel ring's per-rank compute (context_parallel_attention at world 1:
+two zigzag chunks of T/2, i.e. two diagonal pairs and one cross pair, forward + backward) on its Triton
+blocks against its chunked PyTorch blocks (what the ring runs on CPU), at --ring-lengths.
+
 Usage: python bench/kernel.py [--lengths 2048,4096,8192,16384,32768] [--tokens 32768] [--heads 12]
                               [--head-dims 64,128] [--dtype bf16] [--json out.json] [--skip-check]
+                              [--ring-lengths 8192]
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--skip-check", action="store_true", help="skip the correctness check")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument(
+        "--ring-lengths", default="8192", help="T for the ring's Triton vs chunked blocks ('' skips them)"
+    )
     return ap.parse_args(argv)
 
 
@@ -199,6 +207,59 @@ def bench_one(t: int, d: int, args: argparse.Namespace, device: torch.device) ->
     return rows
 
 
+def bench_ring(t: int, d: int, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The ring's compute for one rank holding two zigzag chunks (world 1: no communication), fpa with a
+    walk field, on impl="triton" and impl="chunked" blocks."""
+    from fpa_model.context_parallel import context_parallel_attention
+
+    dtype = DTYPES[args.dtype]
+    b, h = max(1, args.tokens // t), args.heads
+    g = torch.Generator(device=device).manual_seed(t + d + 1)
+    q, k, v, do = (torch.randn(b, h, t, d, device=device, dtype=dtype, generator=g) for _ in range(4))
+    u = torch.randn(b, h, t, device=device, generator=g) * 0.7 - 0.1  # walk increments
+    flops_fwd = 2.0 * b * h * t * t * d
+    rows = []
+    for impl in ("triton", "chunked"):
+        row: dict[str, Any] = {"T": t, "D": d, "B": b, "H": h, "dtype": args.dtype, "method": f"ring-{impl}"}
+
+        def fwd(impl: str = impl) -> torch.Tensor:
+            return context_parallel_attention(q, k, v, u, kind="fpa", field="walk", impl=impl)
+
+        try:
+            with torch.no_grad():
+                row["fwd_ms"] = _median_ms(fwd, args.warmup, args.rep)
+            for leaf in (q, k, v, u):
+                leaf.requires_grad_(True)
+            row["fwdbwd_ms"] = _median_ms(
+                lambda fwd=fwd: fwd().backward(do), args.warmup, args.rep, grad_to_none=[q, k, v, u]
+            )
+            row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+            row["fwdbwd_tflops"] = 3.5 * flops_fwd / row["fwdbwd_ms"] / 1e9
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "out of memory"
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        finally:
+            for leaf in (q, k, v, u):
+                leaf.requires_grad_(False)
+                leaf.grad = None
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def print_ring_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'T':>6} {'D':>4} {'B':>3} {'ring blocks':<13} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['T']:>6} {r['D']:>4} {r['B']:>3} {r['method']:<13} {r['error']}")
+        else:
+            print(
+                f"{r['T']:>6} {r['D']:>4} {r['B']:>3} {r['method']:<13} {r['fwd_ms']:>9.3f} "
+                f"{r['fwdbwd_ms']:>11.3f} {r['fwdbwd_tflops']:>8.1f}"
+            )
+
+
 def _ratio(fpa: dict[str, Any], r: dict[str, Any], key: str) -> str:
     return f"{fpa[key] / r[key]:.2f}x" if key in fpa and r.get(key) else "-"
 
@@ -259,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_one(t, d, args, device)
             print(f"  done T={t} D={d}", flush=True)
     print_table(rows)
+    ring_rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for t in (int(x) for x in args.ring_lengths.split(",") if x):
+            ring_rows += bench_ring(t, d, args, device)
+    if ring_rows:
+        print_ring_table(ring_rows)
+    rows += ring_rows
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
