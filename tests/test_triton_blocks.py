@@ -136,6 +136,11 @@ def test_blocks_on_strided_views_and_other_leading_dims() -> None:
     ref = chunked.fpa_cross_backward(do, *args, ref_lse, out=ref_out, kind="fpa", scale=0.3)
     for name in chunked.CrossGrads._fields:
         assert_close(name, getattr(got, name), getattr(ref, name))
+    # Autotuned tiles (no block_size): the path the ring takes on a GPU.
+    out_auto, lse_auto = tk.fpa_cross_forward(*args, kind="fpa", scale=0.3)
+    assert_close("out (autotuned)", out_auto, ref_out)
+    got_auto = tk.fpa_cross_backward(do, *args, ref_lse, out=ref_out, kind="fpa", scale=0.3)
+    assert_close("dphi_q (autotuned)", got_auto.dphi_q, ref.dphi_q)
     # Three-dim (N, L, D) diagonal block.
     q3, k3, v3 = (x[0, :, :20].contiguous() for x in full[:3])
     out3, lse3 = tk.fpa_diag_forward(q3, k3, v3, phi[0, :, :20], kind="fox", block_size=BLOCK)
@@ -205,3 +210,37 @@ def test_block_bad_input_gives_clear_error(case: str, match: str) -> None:
             tk.fpa_cross_forward(z, z, z, p, p, m, kind="fpa", block_size=24)
         elif case == "no_out":
             tk.fpa_cross_backward(z, z, z, z, p, p, m, p, kind="fpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_autotuned_blocks_match_chunked(kind: str, d: int, dtype: torch.dtype) -> None:
+    """Ring-sized chunks on the GPU with autotuned tiles: a diagonal block of 1000 and a cross block of
+    1000 queries against 700 earlier keys (finite M), the chunked blocks as reference."""
+    g = torch.Generator().manual_seed(d)
+    b, h, lq, lk = 2, 3, 1000, 700
+    q, kd, vd, do = (_randn(g, b, h, lq, d).to(dtype) for _ in range(4))
+    k, v = _randn(g, b, h, lk, d).to(dtype), _randn(g, b, h, lk, d).to(dtype)
+    phi_q, phi_k = _field(g, (b, h, lq), False), _field(g, (b, h, lk), False)
+    mb = _m_between(g, "finite", phi_q, phi_k, False)
+    tol = 2e-4 if dtype == torch.float32 else 5e-2
+    out, lse = tk.fpa_diag_forward(q, kd, vd, phi_q, kind=kind)
+    ref_out, ref_lse = chunked.fpa_diag_forward(q, kd, vd, phi_q, kind=kind)
+    assert_close("diag out", out, ref_out, tol)
+    assert_close("diag lse", lse, ref_lse, tol)
+    got = tk.fpa_diag_backward(do, q, kd, vd, phi_q, ref_lse, out=ref_out, kind=kind)
+    ref = chunked.fpa_diag_backward(do, q, kd, vd, phi_q, ref_lse, out=ref_out, kind=kind)
+    for name in chunked.DiagGrads._fields:
+        assert_close("diag " + name, getattr(got, name), getattr(ref, name), tol)
+    args = (q, k, v, phi_q, phi_k, mb)
+    out, lse = tk.fpa_cross_forward(*args, kind=kind)
+    ref_out, ref_lse = chunked.fpa_cross_forward(*args, kind=kind)
+    assert_close("cross out", out, ref_out, tol)
+    assert_close("cross lse", lse, ref_lse, tol)
+    got = tk.fpa_cross_backward(do, *args, ref_lse, out=ref_out, kind=kind)
+    ref = chunked.fpa_cross_backward(do, *args, ref_lse, out=ref_out, kind=kind)
+    for name in chunked.CrossGrads._fields:
+        assert_close("cross " + name, getattr(got, name), getattr(ref, name), tol)
