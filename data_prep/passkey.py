@@ -154,3 +154,34 @@ def passkey_documents(
         parts = [FILLER] * before + [NEEDLE.format(key=key)] + [FILLER] * (total - before)
         docs.append(" ".join(parts) + " " + QUESTION + answer_text(key))
     return docs
+
+
+IGNORE_INDEX = -100  # targets the loss skips (torch's cross_entropy default)
+
+
+def answer_rows(
+    tokenizer: TokenizerLike,
+    n: int,
+    length: int,
+    *,
+    digits: int,
+    rng: random.Random,
+    prefix_ids: Sequence[int] = (),
+) -> tuple[list[list[int]], list[list[int]]]:
+    """n passkey training rows for answer-only supervision: (inputs, targets), each n rows of `length`.
+
+    A row is a prompt (random key, needle at a uniform random depth) followed by the answer " K." and
+    shifted by one token for next-token prediction. Targets are IGNORE_INDEX except at the answer tokens,
+    so the loss rewards exactly the retrieval that the evaluation grid scores.
+    """
+    inputs: list[list[int]] = []
+    targets: list[list[int]] = []
+    for _ in range(n):
+        key = random_key(rng, digits)
+        answer = encode(tokenizer, answer_text(key))
+        prompt = build_prompt(tokenizer, length + 1 - len(answer), rng.random(), key, prefix_ids=prefix_ids)
+        row = prompt.ids + answer
+        p = len(prompt.ids)
+        inputs.append(row[:-1])
+        targets.append([IGNORE_INDEX] * (p - 1) + row[p:])
+    return inputs, targets

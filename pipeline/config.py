@@ -41,6 +41,35 @@ class CheckpointConfig:
 
 
 @dataclass
+class PasskeyTrainConfig:
+    """A passkey fine-tuning phase at the end of training: the last `steps` optimizer steps train on whole
+    passkey prompts (data_prep.passkey.answer_rows) with the loss on the answer alone.
+
+    At a tiny scale, passkey documents in the corpus (data.passkey_mix) teach the answer format but not the
+    copy: the key is a few tokens among thousands of predictable ones, and interleaving answer-only steps
+    with language-model steps did not learn it either (measured: README, "Passkey fine-tuning").
+    """
+
+    steps: int = 0  # 0: off; else the last `steps` of train.max_steps (the loader does not advance there)
+    lr: float | None = None  # the phase's constant learning rate; None: the main schedule continues
+    digits: int = 5  # digits of the training keys (eval.passkey.digits is what the grid asks for)
+    min_len: int = 64  # prompt length per step: uniform over the multiples of 16 in [min_len, max_len]
+    max_len: int | None = None  # None: data.seq_len
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"train.passkey.steps must be >= 0; got {self.steps}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"train.passkey.lr must be > 0; got {self.lr}")
+        if self.digits < 1:
+            raise ValueError(f"train.passkey.digits must be >= 1; got {self.digits}")
+        if self.min_len < 1 or (self.max_len is not None and self.max_len < self.min_len):
+            raise ValueError(
+                f"train.passkey needs 1 <= min_len <= max_len; got {self.min_len}, {self.max_len}"
+            )
+
+
+@dataclass
 class TrainConfig:
     micro_batch: int = 8  # sequences per rank per micro step
     grad_accum: int = 1
@@ -62,6 +91,7 @@ class TrainConfig:
     val_every: int = 50
     val_batches: int = 8
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    passkey: PasskeyTrainConfig = field(default_factory=PasskeyTrainConfig)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -272,6 +302,7 @@ class Derived:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     tokens_per_step: int
+    passkey_lengths: tuple[int, int, int] = (0, 0, 16)  # train.passkey prompt lengths: min, max, multiple
 
 
 def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
@@ -285,6 +316,25 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
         zz = f" x 2 (parallel.sequence_layout=zigzag cuts {n_chunks} chunks)" if n_chunks != sp else ""
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}{zz}")
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp
+    pk = cfg.train.passkey
+    pk_max = cfg.data.seq_len if pk.max_len is None else pk.max_len
+    if pk.steps > cfg.train.max_steps:
+        raise ConfigError(
+            f"train.passkey.steps={pk.steps} exceeds train.max_steps={cfg.train.max_steps} (the phase is "
+            "the last steps of the run)"
+        )
+    if pk.steps and pk.min_len > pk_max:
+        raise ConfigError(
+            f"train.passkey.min_len={pk.min_len} exceeds its max_len ({pk_max}; default data.seq_len)"
+        )
+    # Prompt lengths are multiples of 16 whatever the world size, so a run draws the same prompts on any
+    # sequence-parallel degree up to 8 (zigzag needs lengths divisible by 2 x degree).
+    pk_multiple = max(16, n_chunks)
+    if pk.steps and pk_max // pk_multiple * pk_multiple < pk.min_len:
+        raise ConfigError(
+            f"train.passkey: no prompt length in [min_len={pk.min_len}, max_len={pk_max}] is a multiple of "
+            f"{pk_multiple} (prompt lengths are multiples of 16, or of the sequence-parallel chunk count)"
+        )
     return Derived(
         world_size=world_size,
         sequence_parallel=sp,
@@ -294,6 +344,7 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
         global_batch=global_batch,
         seq_len=cfg.data.seq_len,
         tokens_per_step=global_batch * cfg.data.seq_len,
+        passkey_lengths=(pk.min_len, pk_max, pk_multiple),
     )
 
 

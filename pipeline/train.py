@@ -212,13 +212,55 @@ def micro_loss(
         x, y = batch_to_xy(batch, device)
         logits = engine(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten()), y.numel()
-    from fpa_model.context_parallel import sequence_parallel_cross_entropy, shard_batch
+    from fpa_model.context_parallel import sequence_parallel_cross_entropy, shard_batch, shard_sequence
 
-    rows = batch if isinstance(batch, torch.Tensor) else torch.as_tensor(np.asarray(batch))
-    x, y = shard_batch(rows.long(), sp.rank, sp.degree, layout=sp.layout)
+    if isinstance(batch, tuple):  # (inputs, targets), e.g. passkey rows with ignored targets
+        x, y = (shard_sequence(t.long(), sp.rank, sp.degree, dim=1, layout=sp.layout) for t in batch)
+    else:
+        rows = batch if isinstance(batch, torch.Tensor) else torch.as_tensor(np.asarray(batch))
+        x, y = shard_batch(rows.long(), sp.rank, sp.degree, layout=sp.layout)
     logits = engine(x.to(device))
     loss = sequence_parallel_cross_entropy(logits, y.to(device), sp.group, grad_scale=sp.degree)
     return loss, y.numel() * sp.degree
+
+
+def _new_window() -> dict[str, float]:
+    """Sums over the steps since the last log line."""
+    return {"loss": 0.0, "n": 0, "time": 0.0, "wait": 0.0, "tokens": 0, "pk_loss": 0.0, "pk_n": 0}
+
+
+def _passkey_metrics(window: dict[str, float]) -> dict[str, float]:
+    return {"train/passkey_loss": window["pk_loss"] / window["pk_n"]} if window["pk_n"] else {}
+
+
+class _PasskeyBatches:
+    """Micro batches of the train.passkey phase: whole passkey prompts, loss on the answer only.
+
+    A batch is a pure function of (seed, step, data-parallel rank, micro step), so a resumed run draws the
+    same ones and the ranks of a sequence-parallel group (one dp rank) hold the same sequences. The prompt
+    length is drawn per step (the same on every rank, so DeepSpeed sees one shape per step).
+    """
+
+    def __init__(self, cfg: RunConfig, d: Derived, dp_rank: int) -> None:
+        from data_prep.index import load_index
+        from data_prep.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg.data_dir)
+        self.prefix = [load_index(cfg.data_dir).eod_id]  # as in the training stream and the eval prompts
+        self.lo, self.hi, self.multiple = d.passkey_lengths
+        self.n, self.digits = d.micro_batch, cfg.train.passkey.digits
+        self.seed, self.dp_rank = cfg.seed, dp_rank
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from data_prep.passkey import answer_rows
+
+        m = self.multiple
+        length = m * random.Random(f"passkey:{self.seed}:{step}").randint(-(-self.lo // m), self.hi // m)
+        rng = random.Random(f"passkey:{self.seed}:{step}:{self.dp_rank}:{micro}")
+        x, y = answer_rows(
+            self.tokenizer, self.n, length, digits=self.digits, rng=rng, prefix_ids=self.prefix
+        )
+        return torch.tensor(x), torch.tensor(y)
 
 
 class _Batches:
@@ -476,6 +518,9 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     if loader_state is not None:
         loader.load_state_dict(loader_state)
     batches = _Batches(loader)
+    pk_start = tc.max_steps - tc.passkey.steps  # the passkey phase: steps [pk_start, max_steps)
+    pk_batches = _PasskeyBatches(cfg, d, dp_rank) if tc.passkey.steps else None
+    last_pk_loss: float | None = None
     peak = tc.peak_flops_per_rank or measure_peak_flops(
         device, torch.bfloat16 if tc.precision == "bf16" and device.type == "cuda" else torch.float32
     )
@@ -490,7 +535,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     last_saved: Path | None = None
     last_saved_step = step if resume_dir is not None else -1
     last_loss, val_loss = float("nan"), None
-    window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "wait": 0.0, "tokens": 0}
+    window = _new_window()
 
     def save_now() -> Path:
         client = {
@@ -511,13 +556,14 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
         while step < tc.max_steps:
             t_step = time.perf_counter()
             wait = 0.0
-            lr = lr_at(step, tc)
+            pk_step = pk_batches is not None and step >= pk_start
+            lr = tc.passkey.lr if pk_step and tc.passkey.lr is not None else lr_at(step, tc)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr
             bad_step, loss_sum, stop_req = False, 0.0, 0.0
             for _micro in range(d.grad_accum):
                 t_wait = time.perf_counter()
-                batch = batches.next()
+                batch = pk_batches.batch(step, _micro) if pk_step and pk_batches else batches.next()
                 wait += time.perf_counter() - t_wait
                 loss, _ = micro_loss(engine, batch, device, sp)
                 if nan_step == step and dp_rank == dp_world - 1 and _micro == d.grad_accum - 1:
@@ -579,11 +625,18 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 if engine.skipped_steps > before:  # DeepSpeed's own overflow check (inf/NaN grad norm)
                     skipped += 1
             step += 1
-            tokens_seen += d.tokens_per_step
             dt = time.perf_counter() - t_step
             grad_norm = own_norm if manual_norm else engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None and not bad_step else float("nan")
-            if not bad_step:
+            if pk_step:
+                # Passkey steps stay out of the LM loss, token count and throughput figures.
+                if not bad_step:
+                    last_pk_loss = loss_sum / d.grad_accum
+                    window["pk_loss"] += last_pk_loss
+                    window["pk_n"] += 1
+                    record = {"step": step, "passkey_loss": last_pk_loss, "lr": lr, "grad_norm": grad_norm}
+                    _append_jsonl_rank0(info.is_main, metrics_file, record)
+            elif not bad_step:
                 last_loss = loss_sum / d.grad_accum
                 window["loss"] += last_loss
                 window["n"] += 1
@@ -598,9 +651,11 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                         "tokens": tokens_seen,
                     },
                 )
-            window["time"] += dt
-            window["wait"] += wait
-            window["tokens"] += d.tokens_per_step
+            if not pk_step:
+                tokens_seen += d.tokens_per_step
+                window["time"] += dt
+                window["wait"] += wait
+                window["tokens"] += d.tokens_per_step
             logger.progress(step, tc.max_steps)
 
             if step % tc.log_every == 0 or step == tc.max_steps:
@@ -617,10 +672,11 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                         "perf/step_time_s": window["time"] / max(window["n"] + 0, 1),
                         "perf/data_wait_frac": window["wait"] / max(window["time"], 1e-9),
                         "perf/memory_mb": memory_mb(device),
+                        **_passkey_metrics(window),
                     },
                     step,
                 )
-                window = {"loss": 0.0, "n": 0, "time": 0.0, "wait": 0.0, "tokens": 0}
+                window = _new_window()
             if tc.val_every and (step % tc.val_every == 0 or step == tc.max_steps):
                 val_loss = evaluate(engine, cfg, make_loader, dp_rank, dp_world, device, sp)
                 logger.log({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))}, step)
@@ -645,6 +701,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
         summary = {
             "final_loss": last_loss,
             "val_loss": val_loss,
+            "passkey_loss": last_pk_loss,
             "steps": step,
             "tokens": tokens_seen,
             "skipped_steps": skipped,

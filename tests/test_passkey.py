@@ -103,3 +103,25 @@ def test_passkey_documents_deterministic_and_well_formed() -> None:
     # The needle is spread over positions, not always at the same depth.
     firsts = {d.startswith("The pass key") for d in docs}
     assert firsts == {True, False}
+
+
+@pytest.mark.parametrize("length", [80, 137])
+def test_answer_rows_supervise_exactly_the_answer(tok: Tokenizer, length: int) -> None:
+    eod = tok.token_to_id("<|endoftext|>")
+    rng = random.Random(5)
+    xs, ys = passkey.answer_rows(tok, 6, length, digits=3, rng=rng, prefix_ids=[eod])
+    assert len(xs) == len(ys) == 6
+    for x, y in zip(xs, ys):
+        assert len(x) == len(y) == length and x[0] == eod
+        kept = [i for i, t in enumerate(y) if t != passkey.IGNORE_INDEX]
+        assert kept == list(range(kept[0], length))  # one contiguous run at the end: the answer
+        assert y[kept[0] :] == x[kept[0] + 1 :] + [y[-1]]  # next-token targets of the same row
+        text = passkey.decode(tok, x[: kept[0] + 1])
+        assert text.rstrip().endswith(QUESTION)  # the answer starts right after the question
+        key = passkey.parse_answer(passkey.decode(tok, y[kept[0] :]))
+        assert key is not None and 100 <= key <= 999
+        assert NEEDLE.format(key=key) in text  # the supervised key is the one hidden in the prompt
+    # Deterministic in the rng; different rows get different keys.
+    again = passkey.answer_rows(tok, 6, length, digits=3, rng=random.Random(5), prefix_ids=[eod])
+    assert again == (xs, ys)
+    assert len({tuple(y) for y in ys}) > 1

@@ -1,0 +1,130 @@
+"""The passkey fine-tuning phase (train.passkey): answer-only steps at the end of training.
+
+Training runs use the in-memory loader of test_train_support for the language-model steps and a small
+prepared data directory for the tokenizer the passkey prompts are built with.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_support import run_training, summary_of, write_config
+
+from data_prep import passkey
+
+BASE = [
+    "model.vocab_size=null",  # from the prepared index (the in-memory loader's ids fit below it)
+    "train.max_steps=8",
+    "train.passkey.steps=4",
+    "train.passkey.lr=5e-3",
+    "train.passkey.digits=2",
+    "train.passkey.min_len=40",
+    "train.passkey.max_len=64",
+    "train.checkpoint.every=2",
+    "train.checkpoint.keep_last=4",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """Prepared shards + tokenizer, trained on text that includes the passkey sentences (compact prompts)."""
+    from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
+    from data_prep.prepare import prepare_data
+
+    tmp = tmp_path_factory.mktemp("pkdata")
+    rng = random.Random(0)
+    docs = passkey.passkey_documents(80, seed=1, max_fillers=3)
+    docs += [" ".join(f"w{rng.randrange(40)}" for _ in range(rng.randint(20, 60))) for _ in range(80)]
+    with open(tmp / "c.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    dcfg = DataConfig(
+        train=SourceConfig(type="jsonl", paths=[str(tmp / "c.jsonl")]),
+        val_fraction=0.1,
+        tokenizer=TokenizerConfig(vocab_size=400),
+        seq_len=32,
+        sequences_per_member=8,
+        sequences_per_shard=32,
+    )
+    prepare_data(dcfg, tmp / "data", progress=False)
+    return tmp / "data"
+
+
+@pytest.fixture(scope="module")
+def cfg_path(tmp_path_factory) -> Path:
+    return write_config(tmp_path_factory.mktemp("cfg"))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def phase_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["passkey_loss"] for r in records(run_dir) if "passkey_loss" in r}
+
+
+def loader_state(run_dir: Path, step: int) -> dict:
+    client = torch.load(
+        run_dir / "checkpoints" / f"global_step{step}" / "mp_rank_00_model_states.pt", weights_only=False
+    )
+    return client["loader_state"]
+
+
+@pytest.fixture(scope="module")
+def reference(cfg_path, data_dir, tmp_path_factory) -> tuple[Path, dict]:
+    runs = tmp_path_factory.mktemp("pkref")
+    proc = run_training(cfg_path, [*BASE, f"data.out_dir={data_dir}", f"runs_dir={runs}"])
+    return runs / "t", summary_of(proc)
+
+
+def test_phase_is_the_last_steps_and_leaves_the_loader_alone(reference):
+    run_dir, summary = reference
+    recs = records(run_dir)
+    lm = {r["step"] for r in recs if "loss" in r}
+    pk = {r["step"]: r for r in recs if "passkey_loss" in r}
+    assert lm == {1, 2, 3, 4} and set(pk) == {5, 6, 7, 8}
+    assert all(r["lr"] == pytest.approx(5e-3) for r in pk.values())  # the phase's constant lr
+    # Answer-only loss: 4 supervised tokens (space, 2 digits, '.') start near log(vocab) and fall fast.
+    assert all(0.0 < r["passkey_loss"] < 10.0 for r in pk.values())
+    assert summary["passkey_loss"] == pytest.approx(pk[8]["passkey_loss"])
+    # The loader did not move during the phase, and only language-model tokens are counted.
+    assert loader_state(run_dir, 8) == loader_state(run_dir, 4) != loader_state(run_dir, 2)
+    assert summary["tokens"] == 4 * 4 * 32
+    assert summary["final_loss"] == pytest.approx(next(r["loss"] for r in recs if r.get("step") == 4))
+
+
+def test_resume_inside_the_phase_draws_the_same_batches(cfg_path, data_dir, reference, tmp_path):
+    src = reference[0]
+    run_dir = tmp_path / "t"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / "global_step6", run_dir / "checkpoints" / "global_step6")
+    proc = run_training(cfg_path, [*BASE, f"data.out_dir={data_dir}", f"runs_dir={tmp_path}"])
+    assert "at step 6" in proc.stdout
+    ref, got = phase_losses(src), phase_losses(run_dir)
+    for s in (7, 8):
+        assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6), f"step {s}"
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_phase_matches_one_rank(cfg_path, data_dir, reference, tmp_path):
+    """Two ranks sharing every sequence (zigzag): the passkey rows are sharded with their ignored targets
+    and the group-wide answer-only loss equals the 1-rank run's."""
+    over = [*BASE, "parallel.sequence=2", f"data.out_dir={data_dir}", f"runs_dir={tmp_path}"]
+    run_training(cfg_path, over, nproc=2)
+    ref, got = phase_losses(reference[0]), phase_losses(tmp_path / "t")
+    assert set(got) == {5, 6, 7, 8}
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=5e-5, abs=1e-6), f"step {s}"
+
+
+def test_phase_longer_than_the_run_is_a_config_error():
+    from pipeline.config import ConfigError, derive, load_config
+
+    cfg = load_config([], ["train.max_steps=5", "train.passkey.steps=6"])
+    with pytest.raises(ConfigError, match="train.passkey.steps=6 exceeds train.max_steps=5"):
+        derive(cfg)
