@@ -42,16 +42,18 @@ class CheckpointConfig:
 
 @dataclass
 class PasskeyTrainConfig:
-    """A passkey fine-tuning phase at the end of training: the last `steps` optimizer steps train on whole
-    passkey prompts (data_prep.passkey.answer_rows) with the loss on the answer alone.
+    """A passkey phase at the end of training: in each of the last `steps` optimizer steps, every micro
+    step adds `batch` whole passkey prompts (data_prep.passkey.answer_rows) whose loss is on the answer
+    alone, weighted by `weight`, to its language-model loss.
 
     At a tiny scale, passkey documents in the corpus (data.passkey_mix) teach the answer format but not the
-    copy: the key is a few tokens among thousands of predictable ones, and interleaving answer-only steps
-    with language-model steps did not learn it either (measured: README, "Passkey fine-tuning").
+    copy (the key is a few tokens among thousands of predictable ones), and training on passkey rows alone
+    wrecks the language model; measured in the README ("Passkey retrieval at the tiny scale").
     """
 
-    steps: int = 0  # 0: off; else the last `steps` of train.max_steps (the loader does not advance there)
-    lr: float | None = None  # the phase's constant learning rate; None: the main schedule continues
+    steps: int = 0  # 0: off; else the last `steps` of train.max_steps
+    batch: int | None = None  # passkey rows per micro step; None: train.micro_batch
+    weight: float = 1.0  # loss = language-model loss + weight * answer-only passkey loss
     digits: int = 5  # digits of the training keys (eval.passkey.digits is what the grid asks for)
     min_len: int = 64  # prompt length per step: uniform over the multiples of 16 in [min_len, max_len]
     max_len: int | None = None  # None: data.seq_len
@@ -59,8 +61,10 @@ class PasskeyTrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"train.passkey.steps must be >= 0; got {self.steps}")
-        if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"train.passkey.lr must be > 0; got {self.lr}")
+        if self.batch is not None and self.batch < 1:
+            raise ValueError(f"train.passkey.batch must be >= 1; got {self.batch}")
+        if self.weight <= 0:
+            raise ValueError(f"train.passkey.weight must be > 0; got {self.weight}")
         if self.digits < 1:
             raise ValueError(f"train.passkey.digits must be >= 1; got {self.digits}")
         if self.min_len < 1 or (self.max_len is not None and self.max_len < self.min_len):

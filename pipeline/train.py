@@ -234,7 +234,7 @@ def _passkey_metrics(window: dict[str, float]) -> dict[str, float]:
 
 
 class _PasskeyBatches:
-    """Micro batches of the train.passkey phase: whole passkey prompts, loss on the answer only.
+    """The rows the train.passkey phase adds to each micro step: whole passkey prompts, loss on the answer.
 
     A batch is a pure function of (seed, step, data-parallel rank, micro step), so a resumed run draws the
     same ones and the ranks of a sequence-parallel group (one dp rank) hold the same sequences. The prompt
@@ -248,7 +248,7 @@ class _PasskeyBatches:
         self.tokenizer = load_tokenizer(cfg.data_dir)
         self.prefix = [load_index(cfg.data_dir).eod_id]  # as in the training stream and the eval prompts
         self.lo, self.hi, self.multiple = d.passkey_lengths
-        self.n, self.digits = d.micro_batch, cfg.train.passkey.digits
+        self.n, self.digits = cfg.train.passkey.batch or d.micro_batch, cfg.train.passkey.digits
         self.seed, self.dp_rank = cfg.seed, dp_rank
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,23 +557,33 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
             t_step = time.perf_counter()
             wait = 0.0
             pk_step = pk_batches is not None and step >= pk_start
-            lr = tc.passkey.lr if pk_step and tc.passkey.lr is not None else lr_at(step, tc)
+            lr = lr_at(step, tc)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr
-            bad_step, loss_sum, stop_req = False, 0.0, 0.0
+            bad_step, loss_sum, pk_sum, stop_req = False, 0.0, 0.0, 0.0
             for _micro in range(d.grad_accum):
                 t_wait = time.perf_counter()
-                batch = pk_batches.batch(step, _micro) if pk_step and pk_batches else batches.next()
+                batch = batches.next()
                 wait += time.perf_counter() - t_wait
                 loss, _ = micro_loss(engine, batch, device, sp)
+                pk_loss = None
+                if pk_step and pk_batches is not None:  # the passkey phase adds answer-only rows
+                    pk_loss, _ = micro_loss(engine, pk_batches.batch(step, _micro), device, sp)
+                    loss = loss + tc.passkey.weight * pk_loss
                 if nan_step == step and dp_rank == dp_world - 1 and _micro == d.grad_accum - 1:
                     # Test hook: a real non-finite loss on one rank, in the last micro batch (the earlier
                     # ones were already backpropagated, the hardest case for dropping the step).
                     loss = loss * float("nan")
                 # One collective per micro step: [finite loss sum, non-finite count, stop request].
                 finite = bool(torch.isfinite(loss.detach()).item())
+                lm_value = loss.item() - (tc.passkey.weight * pk_loss.item() if pk_loss is not None else 0.0)
                 flags = torch.tensor(
-                    [loss.item() if finite else 0.0, 0.0 if finite else 1.0, float(stop.signum is not None)],
+                    [
+                        lm_value if finite else 0.0,
+                        0.0 if finite else 1.0,
+                        float(stop.signum is not None),
+                        pk_loss.item() if finite and pk_loss is not None else 0.0,
+                    ],
                     dtype=torch.float64,
                 )
                 flags = _all_reduce_sum(flags, device)
@@ -582,6 +592,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                     bad_step = True  # every rank knows, whichever rank saw it
                 else:
                     loss_sum += float(flags[0]) / info.world_size  # sp ranks of a group hold one value
+                    pk_sum += float(flags[3]) / info.world_size
                 # ZeRO-0 keeps NaN out of the gradients (the step is discarded by hand); ZeRO 1-3 let it
                 # through so DeepSpeed's own non-finite-norm skip drops the step and resets its buffers.
                 if not bad_step or tc.zero_stage > 0:
@@ -628,34 +639,27 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
             dt = time.perf_counter() - t_step
             grad_norm = own_norm if manual_norm else engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None and not bad_step else float("nan")
-            if pk_step:
-                # Passkey steps stay out of the LM loss, token count and throughput figures.
-                if not bad_step:
-                    last_pk_loss = loss_sum / d.grad_accum
-                    window["pk_loss"] += last_pk_loss
-                    window["pk_n"] += 1
-                    record = {"step": step, "passkey_loss": last_pk_loss, "lr": lr, "grad_norm": grad_norm}
-                    _append_jsonl_rank0(info.is_main, metrics_file, record)
-            elif not bad_step:
+            tokens_seen += d.tokens_per_step  # language-model tokens (passkey rows are extra)
+            if not bad_step:
                 last_loss = loss_sum / d.grad_accum
                 window["loss"] += last_loss
                 window["n"] += 1
-                _append_jsonl_rank0(
-                    info.is_main,
-                    metrics_file,
-                    {
-                        "step": step,
-                        "loss": last_loss,
-                        "lr": lr,
-                        "grad_norm": grad_norm,
-                        "tokens": tokens_seen,
-                    },
-                )
-            if not pk_step:
-                tokens_seen += d.tokens_per_step
-                window["time"] += dt
-                window["wait"] += wait
-                window["tokens"] += d.tokens_per_step
+                record = {
+                    "step": step,
+                    "loss": last_loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": tokens_seen,
+                }
+                if pk_step:
+                    last_pk_loss = pk_sum / d.grad_accum
+                    window["pk_loss"] += last_pk_loss
+                    window["pk_n"] += 1
+                    record["passkey_loss"] = last_pk_loss
+                _append_jsonl_rank0(info.is_main, metrics_file, record)
+            window["time"] += dt
+            window["wait"] += wait
+            window["tokens"] += d.tokens_per_step
             logger.progress(step, tc.max_steps)
 
             if step % tc.log_every == 0 or step == tc.max_steps:
