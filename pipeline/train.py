@@ -518,7 +518,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     if loader_state is not None:
         loader.load_state_dict(loader_state)
     batches = _Batches(loader)
-    pk_start = tc.max_steps - tc.passkey.steps  # the passkey phase: steps [pk_start, max_steps)
+    pk_start = max(0, tc.max_steps - tc.passkey.steps)  # the passkey phase: steps [pk_start, max_steps)
     pk_batches = _PasskeyBatches(cfg, d, dp_rank) if tc.passkey.steps else None
     last_pk_loss: float | None = None
     peak = tc.peak_flops_per_rank or measure_peak_flops(

@@ -366,3 +366,9 @@ def test_report_without_passkey_and_with_a_skipped_length() -> None:
     assert "passkey-retrieval documents" not in md  # no mix recorded: no claim about the training data
     rep["passkey_mix"] = 0.25
     assert "- training data: 25% of the documents were passkey-retrieval documents" in report_markdown(rep)
+    assert "passkey training" not in report_markdown(rep)
+    rep["passkey_training"] = {"steps": 600, "batch": 32, "weight": 1.0, "digits": 2}
+    assert (
+        "- passkey training: the last 600 steps added 32 passkey prompts (2-digit keys, loss on the answer "
+        "only, weight 1) to every micro batch (train.passkey)"
+    ) in report_markdown(rep)

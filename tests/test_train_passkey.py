@@ -140,9 +140,11 @@ def test_sequence_parallel_phase_matches_one_rank(cfg_path, data_dir, reference,
         assert got[s] == pytest.approx(ref[s], rel=5e-5, abs=1e-6), f"step {s}"
 
 
-def test_phase_longer_than_the_run_is_a_config_error():
+def test_phase_bounds_are_checked_with_the_key_named():
     from pipeline.config import ConfigError, derive, load_config
 
-    cfg = load_config([], ["train.max_steps=5", "train.passkey.steps=6"])
-    with pytest.raises(ConfigError, match="train.passkey.steps=6 exceeds train.max_steps=5"):
+    cfg = load_config([], ["train.passkey.steps=6", "train.passkey.min_len=70", "train.passkey.max_len=79"])
+    with pytest.raises(ConfigError, match=r"train.passkey: no prompt length in \[min_len=70, max_len=79\]"):
         derive(cfg)
+    with pytest.raises(ConfigError, match="train.passkey.weight must be > 0"):
+        load_config([], ["train.passkey.weight=0"])

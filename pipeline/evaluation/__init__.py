@@ -89,6 +89,14 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, logger: Any = No
             logger.finish()
 
 
+def _passkey_training(cfg: RunConfig) -> dict[str, Any] | None:
+    pk = cfg.train.passkey
+    if not pk.steps:
+        return None
+    batch = pk.batch or cfg.train.micro_batch
+    return {"steps": pk.steps, "batch": batch, "weight": pk.weight, "digits": pk.digits}
+
+
 def _evaluate(
     cfg: RunConfig, checkpoint: Path | None, logger: Any, train_result: dict[str, Any]
 ) -> dict[str, Any]:
@@ -154,6 +162,7 @@ def _evaluate(
         passkey=passkey,
         ppl=ppl,
         passkey_mix=cfg.data.passkey_mix,
+        passkey_training=_passkey_training(cfg),
     )
     write_report(report, out_dir)
     headline = {

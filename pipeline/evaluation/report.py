@@ -12,6 +12,8 @@ is null, never absent):
     checkpoint                            the weights evaluated
     passkey_mix                           fraction of training documents that were passkey documents
                                           (data.passkey_mix; null if unknown)
+    passkey_training                      the train.passkey phase: {"steps", "batch", "weight", "digits"}
+                                          (null: none)
     final_val_loss                        training's last validation loss; the eval loss at 1x if training
                                           recorded none
     final_val_loss_source                 "train" | "eval" | null
@@ -50,6 +52,7 @@ REPORT_KEYS = (
     "n_params",
     "checkpoint",
     "passkey_mix",
+    "passkey_training",
     "final_val_loss",
     "final_val_loss_source",
     "passkey_accuracy",
@@ -80,6 +83,7 @@ def build_report(
     passkey: dict[str, Any] | None,
     ppl: dict[str, Any] | None,
     passkey_mix: float | None = None,
+    passkey_training: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results."""
     full = (passkey or {}).get("modes", {}).get("full")
@@ -112,6 +116,7 @@ def build_report(
         "n_params": n_params,
         "checkpoint": checkpoint,
         "passkey_mix": passkey_mix,
+        "passkey_training": passkey_training,
         "final_val_loss": val_loss,
         "final_val_loss_source": source,
         "passkey_accuracy": full["accuracy"] if full else None,
@@ -158,6 +163,14 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
+def _passkey_training_line(t: dict[str, Any]) -> str:
+    return (
+        f"- passkey training: the last {t['steps']} steps added {t['batch']} passkey prompts "
+        f"({t['digits']}-digit keys, loss on the answer only, weight {t['weight']:g}) to every micro "
+        "batch (train.passkey), so the grid tests a skill the model was taught"
+    )
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """One run's report as markdown: headline table, passkey grids, perplexity by length."""
     r = report
@@ -175,6 +188,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             if r.get("passkey_mix")
             else []
         ),
+        *([_passkey_training_line(r["passkey_training"])] if r.get("passkey_training") else []),
         f"- final validation loss: {_f(r['final_val_loss'], 4)} ({r['final_val_loss_source'] or 'n/a'})",
         f"- passkey accuracy: full cache {_pct(r['passkey_accuracy'])}, "
         f"compressed {_pct(r['passkey_accuracy_compressed'])} "
