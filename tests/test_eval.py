@@ -372,3 +372,13 @@ def test_report_without_passkey_and_with_a_skipped_length() -> None:
         "- passkey training: the last 600 steps added 32 passkey prompts (2-digit keys, loss on the answer "
         "only, weight 1) to every micro batch (train.passkey)"
     ) in report_markdown(rep)
+
+
+def test_passkey_digits_mismatch_is_named() -> None:
+    from pipeline.evaluation import passkey_digits_mismatch
+
+    taught = ["train.passkey.steps=10", "train.passkey.digits=2"]
+    assert passkey_digits_mismatch(load_config([], [*taught, "eval.passkey.digits=2"])) is None
+    assert passkey_digits_mismatch(load_config([], ["eval.passkey.digits=3"])) is None  # no phase: no claim
+    msg = passkey_digits_mismatch(load_config([], [*taught, "eval.passkey.digits=5"]))
+    assert msg is not None and "eval.passkey.digits=5" in msg and "2-digit keys" in msg

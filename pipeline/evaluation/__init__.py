@@ -89,6 +89,17 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, logger: Any = No
             logger.finish()
 
 
+def passkey_digits_mismatch(cfg: RunConfig) -> str | None:
+    """A warning when the grid asks for keys of another length than the passkey phase trained on."""
+    pk, grid = cfg.train.passkey, cfg.eval.passkey
+    if not pk.steps or not grid.enabled or pk.digits == grid.digits:
+        return None
+    return (
+        f"eval.passkey.digits={grid.digits} but the model was trained on {pk.digits}-digit keys "
+        f"(train.passkey.digits): the grid measures retrieval of keys it was not taught"
+    )
+
+
 def _passkey_training(cfg: RunConfig) -> dict[str, Any] | None:
     pk = cfg.train.passkey
     if not pk.steps:
@@ -120,6 +131,8 @@ def _evaluate(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     passkey = None
+    if (warning := passkey_digits_mismatch(cfg)) is not None:
+        log.warning(warning)
     if cfg.eval.passkey.enabled:
         passkey = run_passkey(
             model,
