@@ -158,6 +158,37 @@ def test_concurrent_prepares_into_one_directory(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "d", "ref"]
 
 
+def test_prepare_waits_for_the_directory_lock(tmp_path: Path) -> None:
+    """While another holder has the parent directory's flock, prepare does not touch its output; it
+    finishes once the lock is released (a prepare without the lock takes well under the 1 s waited)."""
+    import fcntl
+    import os
+    import threading
+
+    cfg = small_cfg(write_corpus(tmp_path / "c.jsonl", 30))
+    fd = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            prepare_data(cfg, tmp_path / "d", progress=False)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    try:
+        worker.start()
+        worker.join(timeout=1.0)
+        assert worker.is_alive(), "prepare finished while another process held the directory lock"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]  # nothing written meanwhile
+    finally:
+        os.close(fd)  # releases the lock
+    worker.join(timeout=60)
+    assert not worker.is_alive() and not errors, errors
+    assert (tmp_path / "d" / "index.json").is_file()
+
+
 def test_passkey_mix_goes_into_train_only(tmp_path: Path) -> None:
     cfg = small_cfg(write_corpus(tmp_path / "c.jsonl"), passkey_mix=0.25, seq_len=64, sequences_per_shard=64)
     prepare_data(cfg, tmp_path / "d", progress=False)
