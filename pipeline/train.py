@@ -46,7 +46,6 @@ from pipeline.logging import make_logger
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: "try again later"; launch scripts requeue on it
 REQUEUE_ENV = "FPA_REQUEUE_CMD"  # e.g. "echo {job_id} >> requeued.txt" in tests
-NAN_TEST_ENV = "FPA_TEST_NAN_STEP"  # tests: make this step's loss non-finite (last rank, last micro batch)
 
 
 class TrainingError(RuntimeError):
@@ -529,7 +528,6 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
 
     manual_norm = tc.zero_stage == 0 and tc.precision == "fp32"
     own_norm: float | None = None
-    nan_step = int(os.environ[NAN_TEST_ENV]) if os.environ.get(NAN_TEST_ENV) else None
     stop = _StopFlag()
     stop.install()
     last_saved: Path | None = None
@@ -570,10 +568,6 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 if pk_step and pk_batches is not None:  # the passkey phase adds answer-only rows
                     pk_loss, _ = micro_loss(engine, pk_batches.batch(step, _micro), device, sp)
                     loss = loss + tc.passkey.weight * pk_loss
-                if nan_step == step and dp_rank == dp_world - 1 and _micro == d.grad_accum - 1:
-                    # Test hook: a real non-finite loss on one rank, in the last micro batch (the earlier
-                    # ones were already backpropagated, the hardest case for dropping the step).
-                    loss = loss * float("nan")
                 # One collective per micro step: [finite loss sum, non-finite count, stop request].
                 finite = bool(torch.isfinite(loss.detach()).item())
                 lm_value = loss.item() - (tc.passkey.weight * pk_loss.item() if pk_loss is not None else 0.0)

@@ -174,6 +174,31 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict[str, Any]:
     raise AssertionError(f"no summary line in output:\n{proc.stdout[-2000:]}")
 
 
+NAN_STEP_ENV = "FPA_TEST_NAN_STEP"
+
+
+def poison_step(step: int, grad_accum: int) -> None:
+    """Make the loss of step index `step` non-finite on the last rank, in its last micro batch (the earlier
+    ones are already backpropagated: the hardest case for dropping a step), by wrapping
+    pipeline.train.micro_loss in this process. Validation (under no_grad) is left alone."""
+    import torch.distributed as dist
+
+    import pipeline.train as tr
+
+    real, calls = tr.micro_loss, [0]
+
+    def micro_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, int]:
+        loss, n = real(*args, **kwargs)
+        if torch.is_grad_enabled():
+            i, calls[0] = calls[0], calls[0] + 1
+            last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+            if last_rank and i == step * grad_accum + grad_accum - 1:
+                loss = loss * float("nan")
+        return loss, n
+
+    tr.micro_loss = micro_loss
+
+
 def _main() -> int:
     sys.path.insert(0, str(REPO))
     from pipeline import distributed as dist_utils
@@ -182,6 +207,8 @@ def _main() -> int:
 
     args = sys.argv[1:]
     cfg = load_config([a for a in args if "=" not in a], [a for a in args if "=" in a])
+    if os.environ.get(NAN_STEP_ENV):
+        poison_step(int(os.environ[NAN_STEP_ENV]), cfg.train.grad_accum)
     summary = train(cfg, make_loader=memory_loader)
     if dist_utils.rank() == 0:
         print("[train] summary " + json.dumps(summary), flush=True)
