@@ -369,10 +369,18 @@ def _route_cross(ds, row, s_min, arg_s, p_min, arg_p, m_between, buf_w=None):
     ds_s = w.mul_(ds)
     col_s = ds_s.sum(dim=-2)
     rest = row_all - ds_s.sum(dim=-1)  # per query: the part that goes to min(P_i, M)
+    return route_cross_sums(rest, col_s, col_all, arg_s, p_min, arg_p, m_between)
+
+
+def route_cross_sums(rest, col_s, col_all, arg_s, p_min, arg_p, m_between):
+    """The fpa cross-tile field gradients from ds sums already split by winner: `rest` (N, Lq) per query
+    where min(P_i, M) won, `col_s` (N, Lk) per key where S_j won, `col_all` (N, Lk) per key. M wins ties
+    against P (it is earlier). Returns (dphi_q (N, Lq), dphi_k (N, Lk), dm (N,)); the Triton blocks'
+    kernels return the same sums, so both paths route here."""
     m_wins = m_between.unsqueeze(-1) <= p_min
     dm = torch.where(m_wins, rest, 0.0).sum(dim=-1)
     dphi_q = torch.zeros_like(p_min).scatter_add_(-1, arg_p, torch.where(m_wins, 0.0, rest))
-    dphi_k = torch.zeros_like(s_min).scatter_add_(-1, arg_s, col_s).sub_(col_all)
+    dphi_k = torch.zeros_like(col_s).scatter_add_(-1, arg_s, col_s).sub_(col_all)
     return dphi_q, dphi_k, dm
 
 
@@ -439,8 +447,9 @@ def _need_field(kind, **named):
             raise ValueError(f"kind {kind!r} needs {name}")
 
 
-def _cross_field(kind, phi_q, phi_k, m_between):
-    """fpa's field terms of a cross tile, flattened: (row = min(P, M), S, argS, P, argP, M)."""
+def cross_field(kind, phi_q, phi_k, m_between):
+    """fpa's field terms of a cross tile, flattened to (N, L): (row = min(P, M), S, argS, P, argP, M (N,)).
+    Shared with the Triton blocks, which feed row and S to their kernels."""
     if kind != "fpa":
         return (None,) * 6
     if m_between is None:
@@ -468,7 +477,7 @@ def fpa_cross_forward(
     _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     lead = q.shape[:-2]
     qs = _flat(_f32(q), 2) * _scale(q, scale)
-    row, s_min, *_ = _cross_field(kind, phi_q, phi_k, m_between)
+    row, s_min, *_ = cross_field(kind, phi_q, phi_k, m_between)
     qa = _augment_q(qs, kind, _flat(phi_q, 1), None)
     ka = _augment_k(_flat(_f32(k), 2), kind, _flat(phi_k, 1))
     out, lse = _finish_softmax(_cross_scores(qa, ka, row, s_min), _flat(_f32(v), 2))
@@ -499,7 +508,8 @@ def fpa_diag_forward(
     return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, -1)
 
 
-def _delta(dout, out, delta):
+def resolve_delta(dout, out, delta):
+    """The backward's row term: the given delta, else rowsum(dout * out) (float32, or float64 kept)."""
     if delta is not None:
         return _f32(delta)
     if out is None:
@@ -510,7 +520,7 @@ def _delta(dout, out, delta):
 def _bwd_operands(dout, q, k, v, lse, out, delta, sc):
     qs, kf, vf, do = (_flat(_f32(x), 2) for x in (q, k, v, dout))
     qs = qs * sc
-    delta = _flat(_delta(dout, out, delta), 1)
+    delta = _flat(resolve_delta(dout, out, delta), 1)
     va, doa = _augment_tail(vf, torch.ones_like(vf[..., 0])), _augment_tail(do, -delta)
     zeros = (torch.zeros_like(qs), torch.zeros_like(kf), torch.zeros_like(vf))
     return qs, kf, vf, do, va, doa, _flat(_f32(lse), 1), zeros
@@ -536,7 +546,7 @@ def fpa_cross_backward(
     _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     sc = _scale(q, scale)
     qs, kf, vf, do, va, doa, lse_f, (dq, dk, dv) = _bwd_operands(dout, q, k, v, lse, out, delta, sc)
-    row, s_min, arg_s, p_min, arg_p, m = _cross_field(kind, phi_q, phi_k, m_between)
+    row, s_min, arg_s, p_min, arg_p, m = cross_field(kind, phi_q, phi_k, m_between)
     qa = _augment_q(qs, kind, _flat(phi_q, 1), lse_f)
     ka = _augment_k(kf, kind, _flat(phi_k, 1))
     ds = _bwd_tile(_cross_scores(qa, ka, row, s_min), qs, kf, vf, va, do, doa, dq, dk, dv)

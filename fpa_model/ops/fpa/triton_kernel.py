@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fpa_model.ops.fpa.chunked import CrossGrads, DiagGrads, prefix_min, suffix_min
+from fpa_model.ops.fpa.chunked import CrossGrads, DiagGrads, cross_field, resolve_delta, route_cross_sums
 from fpa_model.ops.fpa.naive import KINDS
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -508,8 +508,8 @@ def _bwd_dkv_kernel(
 # different lengths (LQ, LK), masked at the ends. The field terms come from the host, per query row
 # ROW_i (fpa: min(P_i, M); fox: phi_i) and per key column SMIN_j (fpa: S_j) and PHI_K_j, so the kernels
 # need no scans. The backward kernels emit ds sums split by which term won (the tie rule of
-# chunked._route_cross: S wins ties against the row term); the host scatters them to argP / argS and
-# sums the M part. Each program stores only its own rows or columns: no atomics, deterministic.
+# chunked._route_cross: S wins ties against the row term); the host routes them to argP / argS / M with
+# chunked.route_cross_sums, the chunked path's own routing. Each program stores only its own rows or columns: no atomics, deterministic.
 
 
 @triton.jit
@@ -1055,13 +1055,9 @@ def _cross_field(
     pq, pk = _vec32(phi_q, n, lq), _vec32(phi_k, n, lk)
     if kind == "fox":
         return _CrossField(pq, pk, pk)
-    if m_between is None:
-        raise ValueError("kind 'fpa' needs m_between (+inf for adjacent chunks)")
-    # The chunked path's scans: the same values and the same lowest-index argmins.
-    p_min, arg_p = prefix_min(pq)
-    s_min, arg_s = suffix_min(pk)
-    m = torch.as_tensor(m_between, dtype=torch.float32, device=device).expand(lead).reshape(n)
-    return _CrossField(torch.minimum(p_min, m[:, None]).contiguous(), s_min, pk, p_min, arg_p, arg_s, m)
+    # The chunked path's terms: the same values and the same lowest-index argmins.
+    row, s_min, arg_s, p_min, arg_p, m = cross_field(kind, pq.view(*lead, lq), pk.view(*lead, lk), m_between)
+    return _CrossField(row, s_min, pk, p_min, arg_p, arg_s, m)
 
 
 def fpa_cross_forward(
@@ -1094,16 +1090,6 @@ def fpa_cross_forward(
     return o.reshape(*lead, lq, d), lse.mul_(_LN2).reshape(*lead, lq)
 
 
-def _block_delta(
-    dout: torch.Tensor, out: torch.Tensor | None, delta: torch.Tensor | None, n: int, lq: int
-) -> torch.Tensor:
-    if delta is None:
-        if out is None:
-            raise ValueError("the block backward needs either out or delta (= rowsum(dout * out))")
-        delta = (dout.float() * out.float()).sum(dim=-1)  # chunked.attention_delta
-    return _vec32(delta, n, lq)
-
-
 def fpa_cross_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -1123,8 +1109,8 @@ def fpa_cross_backward(
     """Gradients of a cross block given the full rows' lse and out (or delta) (chunked.fpa_cross_backward).
 
     The kernels return ds sums per query row (where the row term min(P, M) wins) and per key column
-    (all, and where S wins); routing them to argP, argS and M happens here, with chunked._route_cross's
-    rule: S wins ties against the row term, M wins ties against P."""
+    (all, and where S wins); chunked.route_cross_sums routes them to argP, argS and M (S wins ties
+    against the row term, M wins ties against P), as it does for the chunked blocks."""
     _check_block(q, k, v, kind, block_size)
     lead, lq, lk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
     q4, k4, v4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(dout)
@@ -1133,7 +1119,7 @@ def fpa_cross_backward(
     fld = _cross_field(kind, phi_q, phi_k, m_between, lead, lq, lk, q.device)
     lc = _Launch(q4, kind, _scale_of(q, scale), block_size)
     lse2 = _vec32(lse, n, lq) * _LOG2E.value  # not in place: it may be the caller's tensor
-    dlt = _block_delta(dout, out, delta, n, lq)
+    dlt = _vec32(resolve_delta(dout, out, delta), n, lq)
     f32 = {"dtype": torch.float32, "device": q.device}
     dq, dk, dv = (
         torch.empty((B, H, lq, d), **f32),
@@ -1155,14 +1141,10 @@ def fpa_cross_backward(
         *operands, dk, dv, col_s, col_all, *in_strides, *_strides(dk), *_strides(dv), *common,
         length=lk,
     )  # fmt: skip
-    dm = torch.zeros(n, **f32)
     if kind == "fpa":
-        m_wins = fld.m[:, None] <= fld.p_min  # M is earlier than the query chunk: it wins ties
-        dm = torch.where(m_wins, drow, 0.0).sum(dim=-1)
-        dphi_q = torch.zeros_like(drow).scatter_add_(-1, fld.arg_p, torch.where(m_wins, 0.0, drow))
-        dphi_k = torch.zeros_like(col_s).scatter_add_(-1, fld.arg_s, col_s).sub_(col_all)
+        dphi_q, dphi_k, dm = route_cross_sums(drow, col_s, col_all, fld.arg_s, fld.p_min, fld.arg_p, fld.m)
     else:  # fox: +phi_i, -phi_j; softmax: all zero
-        dphi_q, dphi_k = drow, col_all.neg_()
+        dphi_q, dphi_k, dm = drow, col_all.neg_(), torch.zeros(n, **f32)
     return CrossGrads(
         dq.reshape(*lead, lq, d),
         dk.reshape(*lead, lk, d),
@@ -1228,7 +1210,7 @@ def fpa_diag_backward(
     B, H, L = q4.shape[:3]
     lc = _Launch(q4, kind, _scale_of(q, scale), block_size)
     lse2 = (_vec32(lse, B * H, L) * _LOG2E.value).view(B, H, L)
-    dlt = _block_delta(dout, out, delta, B * H, L).view(B, H, L)
+    dlt = _vec32(resolve_delta(dout, out, delta), B * H, L).view(B, H, L)
     dq, dk, dv, dphi = _backward(
         q4, k4, v4, phi32, lse2, _as4d(dout), lc, delta=dlt, grad_dtype=torch.float32
     )
