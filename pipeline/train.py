@@ -564,19 +564,20 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 batch = batches.next()
                 wait += time.perf_counter() - t_wait
                 loss, _ = micro_loss(engine, batch, device, sp)
-                pk_loss = None
+                lm_value, pk_value = loss.item(), 0.0
                 if pk_step and pk_batches is not None:  # the passkey phase adds answer-only rows
                     pk_loss, _ = micro_loss(engine, pk_batches.batch(step, _micro), device, sp)
+                    pk_value = pk_loss.item()
                     loss = loss + tc.passkey.weight * pk_loss
-                # One collective per micro step: [finite loss sum, non-finite count, stop request].
+                # One collective per micro step: [finite LM loss sum, non-finite count, stop request,
+                # passkey loss sum].
                 finite = bool(torch.isfinite(loss.detach()).item())
-                lm_value = loss.item() - (tc.passkey.weight * pk_loss.item() if pk_loss is not None else 0.0)
                 flags = torch.tensor(
                     [
                         lm_value if finite else 0.0,
                         0.0 if finite else 1.0,
                         float(stop.signum is not None),
-                        pk_loss.item() if finite and pk_loss is not None else 0.0,
+                        pk_value if finite else 0.0,
                     ],
                     dtype=torch.float64,
                 )
