@@ -22,6 +22,7 @@ import dataclasses
 import fcntl
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import time
@@ -34,13 +35,14 @@ import numpy as np
 
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
-from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, write_index
+from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, sha256_file, write_index
 from data_prep.shards import SplitWriter, pick_dtype, tokenize_stream
 from data_prep.sources import describe_source, iter_documents, source_label
 from data_prep.tokenizer import eod_id, read_tokenizer_file, tokenizer_json, train_tokenizer
 
-# What a data directory may contain: anything else means out_dir is not ours to replace.
-_OUR_ENTRIES = {INDEX_FILE, TOKENIZER_FILE, "train", "validation"}
+# Written last into every output: a directory is prepare's to replace only when this file says so and
+# lists every file in it (folder names prove nothing: a corpus may have train/ and validation/ too).
+MARKER_FILE = ".fpa-prepare.json"
 _PASSKEY_SEED = 0x9A55  # fixed: the passkey documents and their positions are part of the data
 
 
@@ -53,18 +55,80 @@ def content_config(cfg: DataConfig) -> dict[str, Any]:
     return d
 
 
-def data_is_current(cfg: DataConfig, out_dir: Path) -> bool:
-    """True when out_dir holds a complete prepared directory made from this config (sources unchanged)."""
+def content_key(cfg: DataConfig) -> str:
+    """A hash of what determines the bytes: the content config and the sources it reads, their files by
+    sha256 (the index records sizes only; an edit that keeps a file's size must not count as the same)."""
+    try:
+        sources: Any = _describe_sources(cfg)
+        for desc in sources.values():
+            for f in desc.get("files", []):
+                f["sha256"] = _cached_sha256(Path(f["path"]))
+        if cfg.tokenizer.path:
+            sources["tokenizer"] = _cached_sha256(Path(cfg.tokenizer.path).expanduser())
+    except (DataError, OSError):  # sources gone: the config alone (such a directory is not current anyway)
+        sources = None
+    text = json.dumps({"config": content_config(cfg), "sources": sources}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_SHA_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def _cached_sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime): one prepare asks for a corpus' key twice."""
+    st = path.stat()
+    k = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if k not in _SHA_CACHE:
+        _SHA_CACHE[k] = sha256_file(path)
+    return _SHA_CACHE[k]
+
+
+def data_problem(cfg: DataConfig, out_dir: Path) -> str | None:
+    """Why out_dir is not a complete prepared directory made from this config and these sources (None: it
+    is). Checks the index, the tokenizer's hash and every shard's presence and size (not the shards'
+    hashes: reading a whole corpus per check would be too slow; every read verifies them)."""
     try:
         index = load_index(out_dir)
-    except DataError:
-        return False
+    except DataError as e:
+        return str(e)
+    marker = _read_marker(out_dir)  # absent in directories from before the marker: the index alone
+    if marker is not None and marker.get("index_sha256") != sha256_file(out_dir / INDEX_FILE):
+        return f"{out_dir / INDEX_FILE} changed since fpa prepare wrote it"
     if index.config != content_config(cfg):
-        return False
+        return f"{out_dir} was prepared with another content config ({_config_diff(index.config, cfg)})"
     try:
-        return index.sources == _describe_sources(cfg)
-    except DataError:
-        return False
+        if index.sources != _describe_sources(cfg):
+            return f"{out_dir} was prepared from other source files"
+    except DataError as e:
+        return str(e)
+    tok = out_dir / TOKENIZER_FILE
+    if not tok.is_file() or sha256_file(tok) != index.tokenizer_sha256:
+        return f"{tok} is missing or does not match index.json"
+    for shards in index.splits.values():
+        for s in shards:
+            p = out_dir / s.file
+            if not p.is_file() or p.stat().st_size != s.bytes:
+                return f"shard {p} is missing or not the size index.json records"
+    return None
+
+
+def data_is_current(cfg: DataConfig, out_dir: Path) -> bool:
+    """True when out_dir holds a complete prepared directory made from this config (sources unchanged)."""
+    return data_problem(cfg, Path(out_dir)) is None
+
+
+def _config_diff(theirs: dict[str, Any], cfg: DataConfig) -> str:
+    """The dotted keys where a recorded content config differs from cfg's, e.g. 'tokenizer.vocab_size'."""
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        return {k: v for key, val in d.items() for k, v in flat(val, f"{prefix}{key}.").items()}
+
+    a, b = flat(theirs), flat(content_config(cfg))
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    shown = ", ".join(f"data.{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in keys[:3])
+    return shown + (", ..." if len(keys) > 3 else "") if keys else "the same keys"
 
 
 def _describe_sources(cfg: DataConfig) -> dict[str, Any]:
@@ -76,29 +140,82 @@ def _describe_sources(cfg: DataConfig) -> dict[str, Any]:
     return out
 
 
-def prepare_data(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
+def prepare_data(
+    cfg: DataConfig, out_dir: Path, *, progress: bool = True, shared: bool = False, reuse: bool = False
+) -> dict[str, Any]:
     """Write out_dir/{tokenizer.json, index.json, train/*.tar, validation/*.tar}; return a summary.
+
+    An existing out_dir is replaced only when prepare wrote everything in it (its marker file lists it).
+    shared: other runs may use out_dir (an explicit data.out_dir): data made from another content config
+    is refused, never replaced. reuse: a complete out_dir made from this content config is kept as it is
+    (summary["reused"] is True) instead of being written again.
 
     Summary keys: out_dir, splits (per split: documents, passkey_documents, tokens, sequences,
     dropped_tokens, shards, bytes), tokens, sequences, shards, tokenizer_trained, tokenizer_seconds,
     seconds, tokens_per_s.
     """
     out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
+    key = content_key(cfg)  # of the sources as they are now, before they are read
+    mine = cfg if shared else None
+    if reuse and (summary := _reusable(cfg, out_dir, key)) is not None:
+        return summary
+    _check_replaceable(out_dir, mine, key)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out_dir.parent):
+        # again under the lock: another process may have written there meanwhile (the same data or not)
+        if reuse and (summary := _reusable(cfg, out_dir, key)) is not None:
+            return summary
+        _check_replaceable(out_dir, mine, key)
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             with _rayon_threads(cfg.num_workers):
                 summary = _prepare_into(cfg, tmp, progress=progress)
-            _check_replaceable(out_dir)  # again: another process may have written there meanwhile
+            _write_marker(tmp, key)
             _swap_in(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     summary["out_dir"] = str(out_dir)
     return summary
+
+
+def _reusable(cfg: DataConfig, out_dir: Path, key: str) -> dict[str, Any] | None:
+    """The summary of an existing complete out_dir made by prepare from this content (None: not such)."""
+    marker = _read_marker(out_dir)
+    if marker is None or marker.get("content_key") != key or data_problem(cfg, out_dir) is not None:
+        return None
+    index = load_index(out_dir)
+    splits = {
+        name: {**index.stats.get(name, {}), "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
+        for name, shards in index.splits.items()
+    }
+    return {
+        "out_dir": str(out_dir),
+        "reused": True,
+        "splits": splits,
+        "tokens": sum(s.get("tokens", 0) for s in index.stats.values()),
+        "sequences": sum(index.sequences(name) for name in index.splits if index.splits[name]),
+        "shards": sum(len(v) for v in index.splits.values()),
+        "vocab_size": index.vocab_size,
+    }
+
+
+def _write_marker(root: Path, key: str) -> None:
+    """The last file of an output: what made it and every file it holds (deterministic bytes)."""
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    index_sha = sha256_file(root / INDEX_FILE)  # the index holds the other files' hashes
+    marker = {"written_by": "fpa prepare", "content_key": key, "files": files, "index_sha256": index_sha}
+    (root / MARKER_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+
+
+def _read_marker(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((out_dir / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(marker, dict) and isinstance(marker.get("files"), list)
+    return marker if ok and marker.get("written_by") == "fpa prepare" else None
 
 
 @contextlib.contextmanager
@@ -129,16 +246,63 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def _check_replaceable(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
+def _check_replaceable(out_dir: Path, shared: DataConfig | None = None, key: str | None = None) -> None:
+    """Refuse (DataError, one line) to replace an out_dir holding anything prepare did not write there.
+
+    shared: this run's config when other runs may use out_dir; prepared data made from another content
+    config (or other sources) is then refused too: it may be what they train on. key: its content_key.
+    """
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise DataError(f"data output {out_dir} exists and is not a directory")
-    if out_dir.is_dir():
-        extra = sorted(p.name for p in out_dir.iterdir() if p.name not in _OUR_ENTRIES)
-        if extra:
-            raise DataError(
-                f"refusing to replace {out_dir}: it holds files a data preparation did not make "
-                f"({', '.join(extra[:3])}{'...' if len(extra) > 3 else ''}); choose another data.out_dir"
-            )
+    if not out_dir.is_dir():
+        return
+    found = _entries(out_dir)
+    if all(e.endswith("/") for e in found):
+        return  # no files, only (empty) folders: nothing to lose
+    marker = _read_marker(out_dir)
+    if marker is None:
+        raise DataError(
+            f"refusing to replace {out_dir}: it was not written by fpa prepare (no {MARKER_FILE}, which "
+            f"older versions did not write either) and holds {_names(found)}; move it away or choose "
+            f"another data.out_dir"
+        )
+    ours = {MARKER_FILE, *marker["files"]}
+    ours |= {f"{parent}/" for f in marker["files"] for parent in Path(f).parents if parent != Path(".")}
+    extra = [e for e in found if e not in ours]
+    if extra:
+        raise DataError(
+            f"refusing to replace {out_dir}: it holds files fpa prepare did not write ({_names(extra)}); "
+            f"move them elsewhere or choose another data.out_dir"
+        )
+    if shared is not None and marker.get("content_key") != (key or content_key(shared)):
+        try:
+            theirs = load_index(out_dir).config
+        except DataError:
+            theirs = None
+        why = _config_diff(theirs, shared) if theirs is not None else "its index.json is unreadable"
+        if theirs == content_config(shared):
+            why = "the same config, other source files"
+        raise DataError(
+            f"data.out_dir {out_dir} holds data prepared with another content config ({why}); other runs "
+            f"may train on it, so it is not replaced: give this run its own data.out_dir, or delete "
+            f"{out_dir} if no run needs it"
+        )
+
+
+def _entries(root: Path) -> list[str]:
+    """Every path under root, relative; folders end in '/', symbolic links in '@' (never followed)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        for name in sorted(dirnames) + sorted(filenames):
+            p = Path(dirpath) / name
+            tag = "@" if p.is_symlink() else "/" if name in dirnames else ""
+            out.append(f"{rel / name}{tag}")
+    return sorted(out)
+
+
+def _names(entries: list[str]) -> str:
+    return ", ".join(entries[:3]) + ("..." if len(entries) > 3 else "")
 
 
 def _swap_in(tmp: Path, out_dir: Path) -> None:

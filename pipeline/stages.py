@@ -85,11 +85,49 @@ def eval_inputs(cfg: RunConfig, checkpoint: Path | None) -> dict[str, Any]:
     }
 
 
+def _required_outputs(cfg: RunConfig, stage: str) -> list[Path]:
+    """What a stage must have left for it to count as done: the next stage (or the user) reads these."""
+    if stage == "prepare":
+        return [cfg.data_dir / "index.json", cfg.data_dir / "tokenizer.json"]
+    if stage == "train":
+        return [export_dir(cfg) / "model.safetensors"]
+    if stage == "eval":
+        return [cfg.run_dir / "eval" / "report.json"]
+    return []
+
+
+def _outputs_problem(run: RunDir, stage: str, recorded: dict[str, str]) -> str | None:
+    """Why a stage's recorded outputs no longer stand (None: they do). A manifest says what was made;
+    the files may since have been purged, moved or replaced (a cluster scratch purge, another run)."""
+    required = {run.rel(p): p for p in _required_outputs(run.cfg, stage)}
+    for rel, p in required.items():
+        if rel not in recorded:
+            return f"its manifest records no {p}"
+    for rel, digest in recorded.items():
+        # outside the run dir (a shared data.out_dir) rel is the path as configured: take the real one
+        p = required.get(rel, run.path / rel)
+        if not p.is_file():
+            return f"{p} is missing"
+        if sha256_file(p) != digest:
+            return f"{p} changed since it was made"
+    if stage == "prepare":
+        from data_prep.prepare import data_problem
+
+        return data_problem(run.cfg.data, run.cfg.data_dir)
+    return None
+
+
 def _skip(run: RunDir, stage: str, inputs: dict[str, Any], force: bool) -> bool:
-    if not force and run.is_done(stage, sha256_json(inputs)):
-        log.info("stage %s: done with the same inputs and config, skipping (use --force to redo)", stage)
-        return True
-    return False
+    """Skip a stage only when its manifest says done with these inputs AND its outputs still stand."""
+    if force or not run.is_done(stage, sha256_json(inputs)):
+        return False
+    manifest = run.read_manifest(stage)
+    problem = _outputs_problem(run, stage, manifest.outputs if manifest else {})
+    if problem is not None:
+        log.info("stage %s: done before, but %s: redoing it", stage, problem)
+        return False
+    log.info("stage %s: done with the same inputs and config, skipping (use --force to redo)", stage)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -102,8 +140,15 @@ def run_prepare(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     inputs = prepare_inputs(cfg)
     if _skip(run, "prepare", inputs, force):
         return run.read_manifest("prepare").result  # type: ignore[union-attr]
+    # An explicit data.out_dir may be shared by other runs: the same content is reused as it is, another
+    # content config is refused rather than replaced under them (prepare_data's `shared`).
+    shared = cfg.data.out_dir is not None
     with run.stage("prepare", inputs) as m:
-        m.result = prepare_data(cfg.data, cfg.data_dir, progress=cfg.logging.progress)
+        m.result = prepare_data(
+            cfg.data, cfg.data_dir, progress=cfg.logging.progress, shared=shared, reuse=shared and not force
+        )
+        if m.result.get("reused"):
+            log.info("prepare: %s already holds this content config's data: reusing it", cfg.data_dir)
         m.outputs = hash_outputs(run, [cfg.data_dir / "index.json", cfg.data_dir / "tokenizer.json"])
     return m.result
 

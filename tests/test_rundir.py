@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import from_yaml_text, load_config
-from pipeline.rundir import RunDir, sha256_json
+from pipeline.rundir import RunDir, hash_outputs, sha256_json
 from pipeline.stages import _skip, eval_inputs, prepare_inputs, train_inputs
 
 
@@ -38,8 +38,11 @@ def test_failed_stage_is_recorded_and_not_skipped(tmp_path: Path) -> None:
 
 def test_skip_only_when_done_with_same_fingerprint(tmp_path: Path) -> None:
     run = RunDir(_cfg(tmp_path))
-    with run.stage("eval", {"x": 1}):
-        pass
+    report = tmp_path / "r/eval/report.json"  # eval is done only while its report stands
+    report.parent.mkdir(parents=True)
+    report.write_text("{}")
+    with run.stage("eval", {"x": 1}) as m:
+        m.outputs = hash_outputs(run, [report])
     assert _skip(run, "eval", {"x": 1}, force=False)
     assert not _skip(run, "eval", {"x": 1}, force=True)
     assert not _skip(run, "eval", {"x": 2}, force=False)

@@ -1,0 +1,170 @@
+"""Faults around data and stages (issue #14): prepare deletes nothing it did not write; a stage is done only
+while its outputs exist; a shared data dir is never reused across content configs; data paths never run
+commands; bad token ids, a model vocabulary that does not match and validation problems surface early."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from test_data_prepare import WORDS, small_cfg, tree_digest, write_corpus
+
+from data_prep.config import SourceConfig
+from data_prep.errors import DataError
+from data_prep.index import load_index
+from data_prep.prepare import prepare_data
+from pipeline.cli import main
+from pipeline.config import load_config
+from pipeline.rundir import RunDir, hash_outputs
+from pipeline.stages import _skip, export_dir, run_prepare
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cfg(tmp_path: Path, corpus: Path, name: str = "r", *overrides: str):
+    """A run config around small_cfg's data settings (a jsonl corpus, vocabulary 300, seq_len 16)."""
+    return load_config(
+        [],
+        [
+            f"runs_dir={tmp_path / 'runs'}",
+            f"name={name}",
+            "data.train.type=jsonl",
+            f"data.train.paths=[{corpus}]",
+            "data.val_fraction=0.1",
+            "data.tokenizer.vocab_size=300",
+            "data.seq_len=16",
+            "data.sequences_per_member=4",
+            "data.sequences_per_shard=16",
+            "logging.progress=false",
+            *overrides,
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. prepare deletes nothing it did not write
+
+
+def test_prepare_refuses_a_corpus_folder_and_keeps_every_file(tmp_path: Path, capsys) -> None:
+    corpus = tmp_path / "corpus"
+    rng = random.Random(0)
+    for split, n in (("train", 6), ("validation", 2)):
+        (corpus / split).mkdir(parents=True)
+        for i in range(n):
+            (corpus / split / f"{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(200)))
+    before = tree_digest(corpus)
+    cfg = small_cfg(
+        corpus,
+        train=SourceConfig(type="text", paths=[str(corpus / "train" / "*.txt")]),
+        validation=SourceConfig(type="text", paths=[str(corpus / "validation" / "*.txt")]),
+    )
+    with pytest.raises(DataError, match=rf"refusing to replace {re.escape(str(corpus))}: .*not written by"):
+        prepare_data(cfg, corpus, progress=False)
+    assert tree_digest(corpus) == before
+    # the same through `fpa prepare`: one line, non-zero, nothing removed
+    rc = main(
+        [
+            "prepare",
+            f"runs_dir={tmp_path / 'runs'}",
+            "name=r",
+            f"data.out_dir={corpus}",
+            "data.train.type=text",
+            f"data.train.paths=[{corpus}/train/*.txt]",
+            "data.tokenizer.vocab_size=300",
+            "data.seq_len=16",
+            "logging.progress=false",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"fpa: error: refusing to replace {corpus}")
+    assert tree_digest(corpus) == before
+
+
+def test_prepare_replaces_its_own_output_but_not_a_file_added_to_it(tmp_path: Path) -> None:
+    cfg = small_cfg(write_corpus(tmp_path / "c.jsonl", 40))
+    out = tmp_path / "d"
+    prepare_data(cfg, out, progress=False)
+    ref = tree_digest(out)
+    prepare_data(cfg, out, progress=False)  # its own output (the marker says so): replaced, same bytes
+    assert tree_digest(out) == ref
+    (out / "train" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"refusing to replace .*/d: it holds files fpa prepare did not"):
+        prepare_data(cfg, out, progress=False)
+    assert tree_digest(out) == {**ref, "train/notes.txt": tree_digest(out)["train/notes.txt"]}
+    assert (out / "train" / "notes.txt").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. a stage is done only while its outputs exist and match its manifest
+
+
+@pytest.mark.parametrize("out_dir", [None, "shared/d"])  # the run's own data dir, a shared relative one
+def test_prepare_is_redone_when_its_data_was_purged_or_changed(tmp_path: Path, out_dir, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    over = [f"data.out_dir={out_dir}"] if out_dir else []
+    cfg = run_cfg(tmp_path, write_corpus(tmp_path / "c.jsonl", 40), "r", *over)
+    run_prepare(cfg)
+    ref = tree_digest(cfg.data_dir)
+    started = RunDir(cfg).read_manifest("prepare").started
+    run_prepare(cfg)  # intact: skipped
+    assert RunDir(cfg).read_manifest("prepare").started == started
+    shutil.rmtree(cfg.data_dir)  # a scratch purge: today "skipping", then train says "run fpa prepare"
+    run_prepare(cfg)
+    assert tree_digest(cfg.data_dir) == ref
+    (cfg.data_dir / "train" / "train-00001.tar").unlink()  # one shard lost
+    run_prepare(cfg)
+    assert tree_digest(cfg.data_dir) == ref
+    index = cfg.data_dir / "index.json"
+    index.write_text(index.read_text().replace('"seq_len": 16', '"seq_len": 16 '))  # not what was recorded
+    run_prepare(cfg)
+    assert tree_digest(cfg.data_dir) == ref
+
+
+def test_train_and_eval_are_done_only_while_their_outputs_exist(tmp_path: Path) -> None:
+    cfg = load_config([], [f"runs_dir={tmp_path}", "name=r"])
+    run = RunDir(cfg)
+    for stage, out in (
+        ("train", export_dir(cfg) / "model.safetensors"),
+        ("eval", cfg.run_dir / "eval" / "report.json"),
+    ):
+        with run.stage(stage, {"a": 1}):  # a manifest that records no output is not done
+            pass
+        assert not _skip(run, stage, {"a": 1}, force=False)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("x")
+        with run.stage(stage, {"a": 1}) as m:
+            m.outputs = hash_outputs(run, [out])
+        assert _skip(run, stage, {"a": 1}, force=False)
+        out.write_text("y")  # replaced since
+        assert not _skip(run, stage, {"a": 1}, force=False)
+        out.unlink()
+        assert not _skip(run, stage, {"a": 1}, force=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. a shared data.out_dir holds one content config
+
+
+def test_shared_data_dir_is_reused_by_the_same_content_config_only(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", 40)
+    shared = tmp_path / "shared"
+    run_prepare(run_cfg(tmp_path, corpus, "a", f"data.out_dir={shared}"))
+    ref, inode = tree_digest(shared), (shared / "index.json").stat().st_ino
+    # same content config (the loader seed does not change a byte): shared as it is, not rewritten
+    result = run_prepare(run_cfg(tmp_path, corpus, "b", f"data.out_dir={shared}", "data.seed=5"))
+    assert result["reused"] is True and result["sequences"] == load_index(shared).sequences("train") + (
+        load_index(shared).sequences("validation")
+    )
+    assert (shared / "index.json").stat().st_ino == inode and tree_digest(shared) == ref
+    other = run_cfg(tmp_path, corpus, "c", f"data.out_dir={shared}", "data.tokenizer.vocab_size=280")
+    with pytest.raises(
+        DataError, match=r"data\.out_dir .*shared holds data prepared with another content config "
+    ) as e:
+        run_prepare(other)
+    assert "tokenizer.vocab_size" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DataError, match="another content config"):
+        run_prepare(other, force=True)  # --force redoes this run's stage, never another run's data
+    assert tree_digest(shared) == ref
