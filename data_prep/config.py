@@ -95,3 +95,10 @@ class DataConfig:
             )
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.out_dir is not None and (self.out_dir.startswith("pipe:") or "://" in self.out_dir):
+            # A config value never runs a command (pipe:), and the stages treat data_dir as a local Path
+            # (which would turn "s3://b" into "s3:/b"); ShardLoader's Python API still reads both.
+            raise ValueError(
+                f"data.out_dir must be a local directory, not {self.out_dir!r}: pipe: commands and URLs "
+                f"are refused (copy the data to a local or mounted path; for file://, give the path alone)"
+            )

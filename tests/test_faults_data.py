@@ -17,7 +17,7 @@ from data_prep.errors import DataError
 from data_prep.index import load_index
 from data_prep.prepare import prepare_data
 from pipeline.cli import main
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.rundir import RunDir, hash_outputs
 from pipeline.stages import _skip, export_dir, run_prepare
 
@@ -168,3 +168,19 @@ def test_shared_data_dir_is_reused_by_the_same_content_config_only(tmp_path: Pat
     with pytest.raises(DataError, match="another content config"):
         run_prepare(other, force=True)  # --force redoes this run's stage, never another run's data
     assert tree_digest(shared) == ref
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. data paths stay inert; token ids and the model vocabulary match the tokenizer
+
+
+@pytest.mark.parametrize("command", ["eval", "train", "prepare"])
+def test_a_data_dir_that_is_a_command_or_url_is_refused(tmp_path: Path, command: str, capsys) -> None:
+    marker = tmp_path / "ran"
+    for value in (f"pipe:touch {marker} ; cat {{path}}", "file:///srv/data", "https://host/data"):
+        with pytest.raises(ConfigError, match=r"^data\.out_dir must be a local directory"):
+            load_config([], [f"data.out_dir={value}"])
+    rc = main([command, f"runs_dir={tmp_path}", f"data.out_dir=pipe:touch {marker} ; cat {{path}}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("fpa: error: data.out_dir must be a local")
+    assert not marker.exists()
