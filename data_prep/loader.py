@@ -288,7 +288,12 @@ class ShardLoader:
 
     def _read(self, i: int) -> np.ndarray:
         return read_shard(
-            self.data_dir, self.shards[i], seq_len=self.seq_len, dtype=self.index.dtype, verify=self.verify
+            self.data_dir,
+            self.shards[i],
+            seq_len=self.seq_len,
+            dtype=self.index.dtype,
+            verify=self.verify,
+            vocab_size=self.vocab_size,
         )
 
     def _prefetch(self, shard_ids: list[int]) -> None:

@@ -265,11 +265,13 @@ def read_shard(
     dtype: str,
     verify: bool = True,
     opener: Callable[[str], Any] | None = None,
+    vocab_size: int | None = None,
 ) -> np.ndarray:
     """All sequences of a shard as one (sequences, seq_len + 1) array, read through webdataset.
 
     The sha256 is computed while streaming (verify=True) and checked at the end; a missing, truncated or
-    altered shard raises DataError naming the file.
+    altered shard raises DataError naming the file. vocab_size: every token id must be below it (a
+    hash-valid shard may still come from another tokenizer; the model would fail on it with an IndexError).
     """
     from webdataset.gopen import gopen
     from webdataset.tariterators import tar_file_iterator
@@ -318,4 +320,9 @@ def read_shard(
         )
     if len(rows) != shard.sequences:
         raise DataError(f"shard {url} holds {len(rows)} sequences, index.json says {shard.sequences}")
+    if vocab_size is not None and rows.size and int(rows.max()) >= vocab_size:
+        raise DataError(
+            f"shard {url}: token id {int(rows.max())} is outside the vocabulary of {vocab_size} tokens "
+            f"(index.json): it was not made with this data's tokenizer; re-run `fpa prepare`"
+        )
     return rows

@@ -4,6 +4,7 @@ commands; bad token ids, a model vocabulary that does not match and validation p
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -15,7 +16,9 @@ from test_data_prepare import WORDS, small_cfg, tree_digest, write_corpus
 from data_prep.config import SourceConfig
 from data_prep.errors import DataError
 from data_prep.index import load_index
+from data_prep.loader import ShardLoader
 from data_prep.prepare import prepare_data
+from data_prep.shards import SplitWriter, read_shard
 from pipeline.cli import main
 from pipeline.config import ConfigError, load_config
 from pipeline.rundir import RunDir, hash_outputs
@@ -184,3 +187,34 @@ def test_a_data_dir_that_is_a_command_or_url_is_refused(tmp_path: Path, command:
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("fpa: error: data.out_dir must be a local")
     assert not marker.exists()
+
+
+def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path: Path) -> None:
+    from pipeline.evaluation.perplexity import validation_stream
+
+    cfg = small_cfg(write_corpus(tmp_path / "c.jsonl", 120))
+    data = tmp_path / "d"
+    prepare_data(cfg, data, progress=False)
+    index = load_index(data)
+    shard = index.shards("validation")[0]
+    rows = read_shard(data, shard, seq_len=index.seq_len, dtype=index.dtype)
+    rows[0, 3] = index.vocab_size  # no embedding row for it: an IndexError deep in the model today
+    w = SplitWriter(
+        tmp_path / "w",
+        "validation",
+        seq_len=16,
+        dtype=index.dtype,
+        sequences_per_member=4,
+        sequences_per_shard=16,
+    )
+    w.add_tokens(rows.reshape(-1))
+    (new,) = w.close()
+    shutil.copy(tmp_path / "w" / new.file, data / shard.file)
+    raw = json.loads((data / "index.json").read_text())
+    raw["splits"]["validation"][0].update(sha256=new.sha256, bytes=new.bytes)  # the shard is hash-valid
+    (data / "index.json").write_text(json.dumps(raw))
+    msg = rf"shard .*validation-00000\.tar: token id {index.vocab_size} is outside the vocabulary"
+    with pytest.raises(DataError, match=msg):
+        list(ShardLoader(data, "validation", micro_batch=1).iter_once())
+    with pytest.raises(DataError, match=msg):
+        validation_stream(data, 10**6)

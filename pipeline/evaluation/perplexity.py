@@ -39,7 +39,9 @@ def validation_stream(data_dir: Path | str, max_tokens: int, split: str = "valid
     parts: list[np.ndarray] = []
     n = 0
     for shard in index.shards(split):
-        rows = read_shard(data_dir, shard, seq_len=index.seq_len, dtype=index.dtype)
+        rows = read_shard(
+            data_dir, shard, seq_len=index.seq_len, dtype=index.dtype, vocab_size=index.vocab_size
+        )
         flat = rows.reshape(-1)
         parts.append(flat)
         n += flat.size
