@@ -39,7 +39,7 @@ training state alone.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,3 +333,21 @@ class ShardLoader:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_split(make_loader: Callable[[], Any], split: str, hint: str = "") -> None:
+    """Build a loader and read its first batch now, then close it: a missing, empty, too small or unreadable
+    split is one DataError before a run starts instead of an error after hours of it (a validation pass
+    runs only at train.val_every). Any loader works; ShardLoader's pass leaves no training state behind.
+    """
+    try:
+        loader = make_loader()
+        try:
+            it = loader.iter_once(1) if hasattr(loader, "iter_once") else iter(loader)
+            if next(it, None) is None:
+                raise DataError(f"the {split} split yields no batches")
+        finally:
+            if hasattr(loader, "close"):
+                loader.close()
+    except DataError as e:
+        raise DataError(f"{split} check before training: {e}{hint}") from None

@@ -417,9 +417,10 @@ def _resolve_vocab(cfg: RunConfig) -> None:
         return
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = int(index.vocab_size)
-    elif cfg.model.vocab_size < index.vocab_size:
+    elif cfg.model.vocab_size != index.vocab_size:  # a larger one trains, then eval refuses it
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {index.vocab_size}"
+            f"model.vocab_size={cfg.model.vocab_size} but the tokenizer of {cfg.data_dir} has "
+            f"{index.vocab_size} tokens: set model.vocab_size={index.vocab_size} (or null: from the data)"
         )
     if index.seq_len != cfg.data.seq_len:
         raise ConfigError(
@@ -451,6 +452,11 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
         _, sp_group, dp_rank, dp_world, sp_rank = make_groups(d.sequence_parallel)
         sp = _SeqParallel(sp_group, sp_rank, d.sequence_parallel, cfg.parallel.sequence_layout)
     _resolve_vocab(cfg)
+    if cfg.train.val_every:  # a bad validation split fails now, not at the first validation pass
+        from data_prep.loader import check_split
+
+        hint = " (or train.val_every=0 to train without validation)"
+        check_split(lambda: make_loader(cfg, "validation", dp_rank, dp_world), "validation", hint)
     tc = cfg.train
     root = cfg.run_dir / "checkpoints"
     run_dir = cfg.run_dir

@@ -5,9 +5,12 @@ commands; bad token ids, a model vocabulary that does not match and validation p
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +221,55 @@ def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path: Path) -> Non
         list(ShardLoader(data, "validation", micro_batch=1).iter_once())
     with pytest.raises(DataError, match=msg):
         validation_stream(data, 10**6)
+
+
+def test_a_model_vocabulary_above_the_tokenizers_is_refused(tmp_path: Path) -> None:
+    from pipeline.train import _resolve_vocab
+
+    data = tmp_path / "d"
+    prepare_data(small_cfg(write_corpus(tmp_path / "c.jsonl", 40)), data, progress=False)
+    v = load_index(data).vocab_size
+    cfg = load_config([], [f"data.out_dir={data}", "data.seq_len=16", f"model.vocab_size={v + 64}"])
+    with pytest.raises(ConfigError, match=rf"model\.vocab_size={v + 64} .*tokenizer .* has {v} tokens"):
+        _resolve_vocab(cfg)
+    cfg.model.vocab_size = v
+    _resolve_vocab(cfg)  # equal: fine
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. validation problems stop a run before its first step
+
+
+def test_validation_problems_are_found_before_training_starts(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    prepare_data(small_cfg(write_corpus(tmp_path / "c.jsonl", 40), val_fraction=0.0), data, progress=False)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"name: r\nruns_dir: {tmp_path / 'runs'}\n"
+        "model: {n_layer: 1, n_head: 2, d_model: 32, max_seq_len: 32}\n"
+        f"data: {{out_dir: {data}, seq_len: 16}}\n"
+        "train: {micro_batch: 2, max_steps: 4, warmup_steps: 1, val_every: 2, checkpoint: {every: 2}}\n"
+        "logging: {wandb_mode: disabled, progress: false}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("fpa: error: validation check before training: ") and "no 'validation' split" in last
+    )
+    run_dir = tmp_path / "runs" / "r"
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    # a split too small for one global batch is caught the same way
+    from data_prep.loader import check_split
+
+    with pytest.raises(DataError, match=r"^train check before training: .*fewer than one global batch"):
+        check_split(lambda: ShardLoader(data, "train", micro_batch=10**6), "train")
