@@ -45,7 +45,7 @@ from pipeline.config import ConfigError, Derived, RunConfig, TrainConfig, derive
 from pipeline.logging import make_logger
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: "try again later"; launch scripts requeue on it
-REQUEUE_ENV = "FPA_REQUEUE_CMD"  # e.g. "echo {job_id} >> requeued.txt" in tests
+REQUEUE_ENV = "FPA_REQUEUE_CMD"  # an argv with {job_id}; default "scontrol requeue {job_id}"
 
 
 class TrainingError(RuntimeError):
@@ -306,15 +306,28 @@ class _StopFlag:
         self._old.clear()
 
 
-def requeue_slurm_job() -> str | None:
-    """Under Slurm, ask for this job to be requeued; returns the command run (None outside Slurm)."""
+def requeue_slurm_job() -> list[str] | None:
+    """Under Slurm, ask for this job to be requeued; returns the argv run (None outside Slurm).
+
+    REQUEUE_ENV (settable from a config's slurm.env) is split into arguments like a shell line but never
+    run by a shell; {job_id} in an argument becomes the job id, which must look like one (digits)."""
+    import re
+    import shlex
+
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return None
-    template = os.environ.get(REQUEUE_ENV, "scontrol requeue {job_id}")
-    cmd = template.format(job_id=job)
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job):
+        print(f"[train] not requeued: SLURM_JOB_ID={job!r} is not a job id", file=sys.stderr, flush=True)
+        return None
     try:
-        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
+        cmd = [a.replace("{job_id}", job) for a in shlex.split(os.environ.get(REQUEUE_ENV, ""))]
+    except ValueError as e:
+        print(f"[train] requeue failed ({REQUEUE_ENV}): {e}", file=sys.stderr, flush=True)
+        return None
+    cmd = cmd or ["scontrol", "requeue", job]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             print(f"[train] requeue failed ({cmd}): {proc.stderr.strip()}", file=sys.stderr, flush=True)
     except (OSError, subprocess.SubprocessError) as e:

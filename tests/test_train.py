@@ -187,7 +187,7 @@ def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, 
     env = {
         "FPA_TEST_LOADER_DELAY": "0.15",
         "SLURM_JOB_ID": "4242",
-        "FPA_REQUEUE_CMD": f"echo {{job_id}} >> {marker}",
+        "FPA_REQUEUE_CMD": f"sh -c 'echo $1 >> {marker}' sh {{job_id}}",  # an argv: no shell unless named
         "SLURM_NTASKS": "1",
         "SLURM_PROCID": "0",
     }
@@ -333,7 +333,7 @@ def test_torchrun_forwards_sigusr1_and_both_ranks_checkpoint(cfg_path, reference
         "PYTHONPATH": str(REPO),
         "FPA_TEST_LOADER_DELAY": "0.3",
         "SLURM_JOB_ID": "5151",
-        "FPA_REQUEUE_CMD": f"echo {{job_id}} >> {marker}",
+        "FPA_REQUEUE_CMD": f"sh -c 'echo $1 >> {marker}' sh {{job_id}}",  # an argv: no shell unless named
     }
     script = str(Path(__file__).with_name("test_train_support.py"))
     torchrun = str(Path(sys.executable).parent / "torchrun")

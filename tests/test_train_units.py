@@ -122,8 +122,9 @@ def test_requeue_command_is_overridable(clean_env, tmp_path):
 
     assert requeue_slurm_job() is None  # not under Slurm: nothing to do
     clean_env.setenv("SLURM_JOB_ID", "991")
-    clean_env.setenv(REQUEUE_ENV, f"echo requeue {{job_id}} > {tmp_path / 'out'}")
-    assert requeue_slurm_job() == f"echo requeue 991 > {tmp_path / 'out'}"
+    # An argv, not a shell line: the redirection is the script of an explicit `sh -c`, the id its $1.
+    clean_env.setenv(REQUEUE_ENV, f"sh -c 'echo requeue $1 > {tmp_path / 'out'}' sh {{job_id}}")
+    assert requeue_slurm_job() == ["sh", "-c", f"echo requeue $1 > {tmp_path / 'out'}", "sh", "991"]
     assert (tmp_path / "out").read_text().strip() == "requeue 991"
 
 
