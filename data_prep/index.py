@@ -8,6 +8,8 @@ Layout of a data directory:
 
 A data directory may also be remote: a URL ("https://host/data") or a pipe command with a "{path}"
 placeholder ("pipe:aws s3 cp s3://bucket/data/{path} -"); files are then opened through webdataset's gopen.
+That is for code that passes one explicitly (ShardLoader, read_shard): a config's data.out_dir must be a
+local directory, so no config value reaches a shell.
 """
 
 from __future__ import annotations
