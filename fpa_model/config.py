@@ -57,6 +57,9 @@ class ModelConfig:
     attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
 
     def __post_init__(self) -> None:
+        for key in ("n_layer", "n_head", "d_model"):  # before the modulo: n_head=0 would divide by zero
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key} must be >= 1; got {getattr(self, key)}")
         if self.d_model % self.n_head:
             raise ValueError(f"model.n_head ({self.n_head}) must divide model.d_model ({self.d_model})")
 

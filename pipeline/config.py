@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -33,11 +35,30 @@ class ConfigError(Exception):
     """A configuration problem, reported to the user as one line."""
 
 
+def _check_number(
+    key: str, value: float | None, *, low: float, high: float = math.inf, open_low: bool
+) -> None:
+    """value in [low, high] (or (low, high] with open_low); also refuses NaN and infinities."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > low if open_low else value >= low) and value <= high
+    if not ok:
+        bound = f"> {low}" if open_low else f">= {low}"
+        if high != math.inf:
+            bound = f"in {'(' if open_low else '['}{low}, {high}]"
+        raise ValueError(f"{key} must be {bound}; got {value}")
+
+
 @dataclass
 class CheckpointConfig:
     every: int = 100  # steps between checkpoints (0: only at the end)
-    keep_last: int = 3
+    keep_last: int = 3  # 0: keep all
     resume: str = "auto"  # auto (latest good checkpoint in the run dir) | none | <path to a checkpoint dir>
+
+    def __post_init__(self) -> None:
+        for key in ("every", "keep_last"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.checkpoint.{key} must be >= 0; got {getattr(self, key)}")
 
 
 @dataclass
@@ -104,9 +125,21 @@ class TrainConfig:
             raise ValueError(f"train.precision must be fp32 or bf16; got {self.precision!r}")
         if self.nan_policy not in ("skip", "stop"):
             raise ValueError(f"train.nan_policy must be skip or stop; got {self.nan_policy!r}")
-        for key in ("micro_batch", "grad_accum", "max_steps"):
+        for key in ("micro_batch", "grad_accum", "max_steps", "log_every", "val_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1; got {getattr(self, key)}")
+        for key in ("warmup_steps", "val_every", "max_skipped_steps"):  # val_every 0: no validation
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0; got {getattr(self, key)}")
+        # A negative lr or ratio ascends the loss; a negative eps or weight decay makes AdamW diverge.
+        _check_number("train.lr", self.lr, low=0, open_low=True)
+        _check_number("train.min_lr_ratio", self.min_lr_ratio, low=0, high=1, open_low=False)
+        _check_number("train.weight_decay", self.weight_decay, low=0, open_low=False)
+        _check_number("train.adam_eps", self.adam_eps, low=0, open_low=True)
+        _check_number("train.grad_clip", self.grad_clip, low=0, open_low=False)  # 0: no clipping
+        _check_number("train.peak_flops_per_rank", self.peak_flops_per_rank, low=0, open_low=True)
+        if len(self.betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas must be two values in [0, 1); got {list(self.betas)}")
 
 
 @dataclass
@@ -258,6 +291,15 @@ class SlurmConfig:
         bad = [k for k in self.env if not (k.isascii() and k.replace("_", "a").isalnum()) or k[0].isdigit()]
         if bad:
             raise ValueError(f"slurm.env has a name that is not a shell variable name: {bad[0]!r}")
+        # pipeline.train.REQUEUE_ENV: an argv written like a shell line, split by shlex, never run by a shell.
+        requeue = self.env.get("FPA_REQUEUE_CMD")
+        if requeue is not None:
+            try:
+                argv = shlex.split(requeue)
+            except ValueError as e:
+                raise ValueError(f"slurm.env.FPA_REQUEUE_CMD cannot be split into arguments: {e}") from None
+            if not argv:
+                raise ValueError("slurm.env.FPA_REQUEUE_CMD is empty")
 
 
 def _slurm_time(key: str, value: str) -> str:
@@ -284,6 +326,16 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def __post_init__(self) -> None:
+        # The run dir is <runs_dir>/<name>: a separator, '..', '.' or an absolute name would put it (and
+        # everything a stage writes or deletes there) somewhere else.
+        n = self.name
+        if n in ("", ".", "..") or "/" in n or "\\" in n or not n.isprintable() or len(n.encode()) > 255:
+            raise ValueError(
+                "name must be one path component (the run dir is <runs_dir>/<name>): no '/' or '\\', not "
+                f"'.' or '..', printable, at most 255 bytes; got {n!r}"
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -413,9 +465,11 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig
     out: list[tuple[DictConfig, str]] = []
     bases = node.pop("base", None)
     if bases is not None:
-        bases = [bases] if isinstance(bases, str) else list(bases)
+        bases = [bases] if isinstance(bases, str) else bases
+        if not isinstance(bases, ListConfig) or not all(isinstance(b, str) and b for b in bases):
+            raise ConfigError(f"'base' in {path} must be a file name or a list of file names; got {bases}")
         for b in bases:
-            out += _read_yaml(path.parent / str(b), (*seen, path.resolve()))
+            out += _read_yaml(path.parent / b, (*seen, path.resolve()))
     out.append((node, str(path)))
     return out
 
@@ -435,11 +489,22 @@ def load_config(
             layers.append((OmegaConf.from_dotlist([ov]), f"override '{ov}'"))
         except OmegaConfBaseException as e:
             raise ConfigError(f"cannot parse override {ov!r}: {str(e).splitlines()[0]}") from None
+    # '???' (OmegaConf's "missing") merged onto a default keeps the default: a file saying `lr: ???` would
+    # silently train with the default lr. Here it means "a later file or override must set this".
+    required: dict[tuple[Any, ...], str] = {}
     for node, origin in layers:
         try:
             merged = OmegaConf.merge(merged, node)
         except OmegaConfBaseException as e:
             raise _describe(e, origin) from None
+        required = {k: o for k, o in required.items() if not _sets_value(node, k)}
+        required |= dict.fromkeys(_missing_paths(node), origin)
+    if required:
+        path, origin = next(iter(required.items()))
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        raise ConfigError(
+            f"missing required value '{key}' in {origin}: '???' must be given by a later file or override"
+        )
     try:
         cfg = OmegaConf.to_object(merged)
     except MissingMandatoryValue as e:
@@ -450,16 +515,44 @@ def load_config(
             f"cannot resolve '{key}'{_origin_of(key, layers, False)}: {str(e).splitlines()[0]}"
         ) from None
     except (OmegaConfBaseException, ValueError) as e:
-        # __post_init__ checks raise ValueError (OmegaConf may wrap it); they start with the dotted key.
+        # __post_init__ checks raise ValueError (OmegaConf may wrap it); they start with the dotted key
+        # (or key=value).
         msg = str(e.__cause__ or e).splitlines()[0]
-        raise ConfigError(msg + _origin_of(msg.split(" ")[0], layers)) from None
+        raise ConfigError(msg + _origin_of(msg.split(" ")[0].split("=")[0], layers)) from None
     assert isinstance(cfg, RunConfig)
     return cfg
 
 
+def _missing_paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The key paths a layer marks '???', found without resolving its interpolations."""
+    out: list[tuple[Any, ...]] = []
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for k in keys:
+        if OmegaConf.is_missing(node, k):
+            out.append((*prefix, k))
+        elif not OmegaConf.is_interpolation(node, k) and isinstance(node[k], DictConfig | ListConfig):
+            out += _missing_paths(node[k], (*prefix, k))
+    return out
+
+
+def _sets_value(node: Any, path: tuple[Any, ...]) -> bool:
+    """Whether a layer gives the key at `path` a value (not '???')."""
+    for k in path[:-1]:
+        if not _holds(node, k) or OmegaConf.is_interpolation(node, k):
+            return False
+        node = node[k]
+    return _holds(node, path[-1]) and not OmegaConf.is_missing(node, path[-1])
+
+
+def _holds(node: Any, k: Any) -> bool:
+    if isinstance(node, DictConfig):
+        return k in node
+    return isinstance(node, ListConfig) and isinstance(k, int) and k < len(node)
+
+
 def _origin_of(key: str, layers: list[tuple[Any, str]], dotted_only: bool = True) -> str:
     """' (set in <file or override>)' for the last layer that sets `key`, '' if none or not a key."""
-    if dotted_only and "." not in key:
+    if dotted_only and "." not in key and key not in {f.name for f in dataclasses.fields(RunConfig)}:
         return ""
     for node, origin in reversed(layers):
         parent, _, leaf = key.rpartition(".")

@@ -98,8 +98,8 @@ def test_base_cycle_is_an_error(tmp_path: Path) -> None:
 
 
 def test_missing_required_value(tmp_path: Path) -> None:
-    # '???' in a file does not erase a default (OmegaConf merge semantics); a required value the schema
-    # leaves unset, or an interpolation to a key that does not exist, is an error naming the key.
+    # An interpolation to a key that does not exist is an error naming the key ('???' in a file, which
+    # OmegaConf's merge would let keep the default, is one too: tests/test_faults_config.py).
     p = tmp_path / "a.yaml"
     p.write_text("name: ${train.nope}\n")
     with pytest.raises(ConfigError, match=r"cannot resolve 'name' \(set in .*a.yaml\)"):

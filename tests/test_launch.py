@@ -22,7 +22,8 @@ from pipeline.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-HOSTILE = "a b$(touch {pwn})`touch {pwn}2`;x%j'\"q"
+# A run name is one path component (no '/'), so its commands reach the test's dir through `cd` (HOME).
+HOSTILE = "a b$(cd;touch PWNED)`cd;touch PWNED2`;x%j'\"q"
 
 # A stand-in for python: writes its argv (and whether USR1 is ignored in it) as one JSON line.
 PY_STUB = """#!/bin/bash
@@ -160,7 +161,7 @@ def test_prepare_and_eval_are_single_process_jobs(tmp_path: Path) -> None:
 def test_hostile_names_reach_python_verbatim_and_run_nothing(stage: str, stubs, tmp_path: Path) -> None:
     pwn = tmp_path / "PWNED"
     runs = tmp_path / "runs with space $(touch {pwn})"
-    name = HOSTILE.format(pwn=pwn)
+    name = HOSTILE  # run_script sets HOME to tmp_path
     over = [
         f"name={name}",
         f"runs_dir={runs}".replace("{pwn}", str(pwn)),

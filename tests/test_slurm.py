@@ -236,7 +236,7 @@ def probe_job(cluster: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     probe.write_text(PROBE)
     over = [
         f"runs_dir={tmp / f'runs 50% $(touch {pwn})'}",
-        f"name=p b$(touch {pwn})'%j",
+        "name=p b'%j",  # a name is one path component: the command substitution lives in runs_dir
         "slurm.tasks_per_node=2",  # two torchrun agents: a two-"node" c10d rendezvous on one machine
         "slurm.nproc_per_node=1",
         "slurm.cpus_per_task=1",
