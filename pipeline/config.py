@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import re
 import shlex
@@ -29,6 +30,8 @@ from omegaconf.errors import (
 
 from data_prep.config import DataConfig
 from fpa_model.config import ModelConfig
+
+log = logging.getLogger("fpa")
 
 
 class ConfigError(Exception):
@@ -106,7 +109,8 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     zero_stage: int = 0
-    precision: str = "fp32"  # fp32 | bf16
+    # auto: bf16 on CUDA where zero_stage >= 1, else fp32 (resolve_precision; load_config records the result)
+    precision: str = "auto"  # auto | fp32 | bf16
     nan_policy: str = "skip"  # skip (drop the step, record it) | stop
     max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss
     adam_eps: float = 1e-8
@@ -121,8 +125,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"train.precision must be fp32 or bf16; got {self.precision!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"train.precision must be auto, fp32 or bf16; got {self.precision!r}")
+        if self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError(_BF16_ZERO0)
         if self.nan_policy not in ("skip", "stop"):
             raise ValueError(f"train.nan_policy must be skip or stop; got {self.nan_policy!r}")
         for key in ("micro_batch", "grad_accum", "max_steps", "log_every", "val_batches"):
@@ -140,6 +146,36 @@ class TrainConfig:
         _check_number("train.peak_flops_per_rank", self.peak_flops_per_rank, low=0, open_low=True)
         if len(self.betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"train.betas must be two values in [0, 1); got {list(self.betas)}")
+
+
+# One line: why ZeRO-0 cannot train in bf16 here, and the two settings that fix it.
+_BF16_ZERO0 = (
+    "train.precision=bf16 needs train.zero_stage >= 1: DeepSpeed's ZeRO-0 sums the micro-batch gradients "
+    "in bf16, which drifts away from fp32 training, while stages 1-3 accumulate them in fp32 (ZeRO-1 costs "
+    "nothing extra on one rank); set train.zero_stage=1, or train.precision=auto to pick fp32 here"
+)
+
+
+def _cuda_available() -> bool:
+    import torch  # here, not at module level: loading a config should not need torch otherwise
+
+    return bool(torch.cuda.is_available())
+
+
+def resolve_precision(train: TrainConfig, cuda: bool | None = None) -> str:
+    """The precision `train.precision` stands for: auto is bf16 on CUDA where train.zero_stage >= 1 allows
+    it (see _BF16_ZERO0), else fp32; fp32 and bf16 are kept. cuda=None asks torch."""
+    if train.precision != "auto":
+        return train.precision
+    if not (_cuda_available() if cuda is None else cuda):
+        return "fp32"
+    if train.zero_stage == 0:
+        log.warning(
+            "train.precision=auto trains in fp32 on this GPU because train.zero_stage=0 cannot accumulate "
+            "bf16 gradients in fp32; set train.zero_stage=1 for bf16"
+        )
+        return "fp32"
+    return "bf16"
 
 
 @dataclass
@@ -359,6 +395,7 @@ class Derived:
     seq_len: int
     tokens_per_step: int
     passkey_lengths: tuple[int, int, int] = (0, 0, 16)  # train.passkey prompt lengths: min, max, multiple
+    precision: str = "fp32"  # train.precision resolved (auto -> fp32 | bf16): what the engine runs
 
 
 def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
@@ -396,6 +433,8 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
         seq_len=cfg.data.seq_len,
         tokens_per_step=global_batch * cfg.data.seq_len,
         passkey_lengths=(pk.min_len, pk_max, pk_multiple),
+        # Already concrete for configs from load_config; a config built in code may still say auto.
+        precision=resolve_precision(cfg.train),
     )
 
 
@@ -520,6 +559,9 @@ def load_config(
         msg = str(e.__cause__ or e).splitlines()[0]
         raise ConfigError(msg + _origin_of(msg.split(" ")[0].split("=")[0], layers)) from None
     assert isinstance(cfg, RunConfig)
+    # auto depends on the merged train.zero_stage and the device, so it is resolved here, once every layer
+    # is in; config.yaml, the train manifest's fingerprint, checkpoints and exports then record what ran.
+    cfg.train.precision = resolve_precision(cfg.train)
     return cfg
 
 

@@ -100,12 +100,7 @@ def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": load_universal},
     }
-    if tc.precision == "bf16":
-        if tc.zero_stage == 0:
-            raise ConfigError(
-                "train.precision=bf16 needs train.zero_stage >= 1: DeepSpeed's ZeRO-0 cannot accumulate "
-                "bf16 gradients in fp32 (and drifts in bf16); ZeRO-1 costs nothing extra on one rank"
-            )
+    if d.precision == "bf16":  # resolved by pipeline.config (never with ZeRO-0: TrainConfig refuses it)
         ds["bf16"] = {"enabled": True}
         # bf16 gradient accumulation drifts; accumulate in fp32 (ENVIRONMENT.md).
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -499,7 +494,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
             f"[train] model: {n_params:,} parameters ({model.num_parameters(non_embedding=True):,} "
             f"non-embedding), attention {cfg.model.attention.kind}/{cfg.model.attention.field}; "
             f"world {info.world_size}, global batch {d.global_batch} x {d.seq_len} tokens, "
-            f"ZeRO {tc.zero_stage}, {tc.precision}",
+            f"ZeRO {tc.zero_stage}, {d.precision}",
             flush=True,
         )
     engine, _, _, _ = deepspeed.initialize(
@@ -540,12 +535,12 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     pk_batches = _PasskeyBatches(cfg, d, dp_rank) if tc.passkey.steps else None
     last_pk_loss: float | None = None
     peak = tc.peak_flops_per_rank or measure_peak_flops(
-        device, torch.bfloat16 if tc.precision == "bf16" and device.type == "cuda" else torch.float32
+        device, torch.bfloat16 if d.precision == "bf16" and device.type == "cuda" else torch.float32
     )
     peak_total = peak * info.world_size
     metrics_file = run_dir / "metrics.jsonl"
 
-    manual_norm = tc.zero_stage == 0 and tc.precision == "fp32"
+    manual_norm = tc.zero_stage == 0 and d.precision == "fp32"
     own_norm: float | None = None
     stop = _StopFlag()
     stop.install()
@@ -630,7 +625,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                     if engine.skipped_steps == before:
                         raise TrainingError(
                             f"step {step}: DeepSpeed applied an update with non-finite gradients "
-                            f"(ZeRO {tc.zero_stage}, {tc.precision}); stopping rather than training on NaN"
+                            f"(ZeRO {tc.zero_stage}, {d.precision}); stopping rather than training on NaN"
                         )
                 if skipped > tc.max_skipped_steps:
                     raise TrainingError(

@@ -1,20 +1,25 @@
-"""Bad config values, hostile names and commands (issue 14, point 6).
+"""Bad config values, hostile names and commands (issue 14, point 6), and train.precision=auto (issue 13,
+point 3).
 
 - every bad value is a one-line ConfigError at config load that names the key and where it was set,
   before anything is written;
 - a run name is one path component: nothing lands outside runs_dir;
 - no config value reaches a shell: the requeue command is an argv, and a SLURM_JOB_ID that is not a job
-  id is never substituted into it.
+  id is never substituted into it;
+- train.precision=auto is fp32 on CPU and bf16 on CUDA where the ZeRO stage allows it, resolved at load
+  so that config.yaml, the train fingerprint and the engine config all hold the precision that ran.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.cli import main
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, RunConfig, derive, from_yaml_text, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -172,3 +177,66 @@ def test_slurm_env_requeue_command_must_split_into_arguments(tmp_path: Path) -> 
     assert msg.startswith("slurm.env.FPA_REQUEUE_CMD cannot be split into arguments") and str(p) in msg
     p.write_text("slurm:\n  env:\n    FPA_REQUEUE_CMD: '  '\n")
     assert _error([], [p]).startswith("slurm.env.FPA_REQUEUE_CMD is empty")
+
+
+# -- train.precision ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[False, True], ids=["cpu", "fake-cuda"])
+def cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_precision_auto_resolves_at_load(cuda: bool, zero_stage: int, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="fpa"):
+        cfg = load_config([TINY], [f"train.zero_stage={zero_stage}"])
+    want = "bf16" if cuda and zero_stage >= 1 else "fp32"
+    assert cfg.train.precision == want and derive(cfg).precision == want
+    # On a GPU, ZeRO-0 keeps auto at fp32 and says what gives bf16.
+    warned = [r.getMessage() for r in caplog.records if "train.precision=auto" in r.getMessage()]
+    assert bool(warned) == (cuda and zero_stage == 0)
+    assert all("set train.zero_stage=1" in w for w in warned)
+
+
+@pytest.mark.parametrize("precision, zero_stage", [("fp32", 0), ("fp32", 1), ("bf16", 1), ("bf16", 3)])
+def test_explicit_precision_is_kept(cuda: bool, precision: str, zero_stage: int) -> None:
+    over = [f"train.precision={precision}", f"train.zero_stage={zero_stage}"]
+    cfg = load_config([], over)
+    assert cfg.train.precision == precision and derive(cfg).precision == precision
+
+
+def test_explicit_bf16_with_zero0_explains_why_and_what_to_set(cuda: bool) -> None:
+    msg = _error(["train.precision=bf16"])
+    assert msg.startswith("train.precision=bf16 needs train.zero_stage >= 1")
+    assert "in bf16" in msg and "accumulate them in fp32" in msg  # why
+    assert "set train.zero_stage=1, or train.precision=auto" in msg  # what to set
+    assert msg.endswith("(set in override 'train.precision=bf16')")
+
+
+def test_resolved_precision_is_what_the_run_records_and_the_engine_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pipeline.rundir import RunDir
+    from pipeline.stages import train_inputs
+    from pipeline.train import deepspeed_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config([TINY], ["train.zero_stage=1", f"runs_dir={tmp_path}"])
+    RunDir(cfg).init()
+    saved = (cfg.run_dir / "config.yaml").read_text()
+    assert "precision: bf16" in saved and "precision: auto" not in saved
+    assert from_yaml_text(saved).train.precision == "bf16"  # a checkpoint's config reloads as it ran
+    assert train_inputs(cfg, 1)["train"]["precision"] == "bf16"  # the manifest fingerprint
+    assert deepspeed_config(cfg, derive(cfg))["bf16"] == {"enabled": True}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = load_config([TINY], ["train.zero_stage=1"])
+    assert "precision: fp32" in to_yaml(cpu) and "bf16" not in deepspeed_config(cpu, derive(cpu))
+
+
+def test_config_built_in_code_resolves_through_derive(cuda: bool) -> None:
+    cfg = RunConfig()
+    cfg.train.zero_stage = 1
+    assert cfg.train.precision == "auto"  # not loaded: derive is where the engine reads it
+    assert derive(cfg).precision == ("bf16" if cuda else "fp32")
