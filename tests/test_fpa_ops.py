@@ -347,6 +347,37 @@ def test_dispatcher_triton_unavailable_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "case,tq,d",
+    [("decode", 3, 16), ("head-dim", 12, 160), ("served", 12, 16)],
+)
+def test_auto_falls_back_where_the_kernel_cannot_serve(case, tq, d, monkeypatch):
+    """impl=auto on a (simulated) CUDA machine: shapes the Triton kernel cannot serve (Tq != Tk, head dim
+    > 128) take the chunked path with one warning per reason instead of raising; served shapes take Triton."""
+    import warnings
+
+    import fpa_model.ops.fpa as ops
+
+    monkeypatch.setattr(ops, "_triton_usable", lambda q: True)
+    monkeypatch.setattr(ops, "_WARNED", set())
+    calls = []
+    real = ops._load_triton()
+    monkeypatch.setattr(ops, "_load_triton", lambda: lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, phi, _ = _inputs(1, 2, tq, 12, d, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fpa_attention(q, k, v, phi, kind="fpa", impl="auto")
+        fpa_attention(q, k, v, phi, kind="fpa", impl="auto")  # the same reason warns once
+    ref = fpa_attention(q, k, v, phi, kind="fpa", impl="naive")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    msgs = [str(w.message) for w in caught if "impl='auto'" in str(w.message)]
+    if case == "served":
+        assert calls and not msgs
+    else:
+        assert not calls and len(msgs) == 1, msgs
+        assert ("Tq == Tk" if case == "decode" else "head dim 160") in msgs[0]
+
+
+@pytest.mark.parametrize(
     "change,match",
     [
         ({"kind": "nope"}, "unknown attention kind"),
@@ -408,3 +439,34 @@ def test_chunked_on_cuda_matches_naive(kind, dtype):
         )
         want = _fwd_bwd(lambda *x: fpa_attention_naive(*x, kind=kind), q, k, v, phi, dout)
         _assert_all_close(got, want, **tol)
+
+
+@pytest.mark.slow
+def test_bf16_long_sequence_with_large_field_keeps_precision():
+    """bf16 q, k, v at T = 8192 with a field of magnitude up to 1e4 (kept in fp32): output and every
+    gradient track a float64 run on the same values to bf16 accuracy. b_ij = min - phi_j cancels two
+    numbers near 1e4; a field held in bf16 anywhere (steps of 64 there) would be off by whole logits."""
+    b, h, t, d = 1, 1, 8192, 32
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, t, d, generator=g).bfloat16() for _ in range(4))
+    u = torch.randn(b, h, t, generator=g) * 0.7 - 0.001  # a walk with dips of a few units ...
+    u[..., 0] -= 1e4  # ... around -1e4: fp32 keeps steps of 1e-3 there, bf16 steps of 64
+    phi = u.cumsum(-1)
+    assert phi.abs().min() > 9e3
+
+    def run(dtype, field_dtype):
+        return _fwd_bwd(
+            lambda q, k, v, p: fpa_attention(q, k, v, p, kind="fpa", impl="chunked", block_size=256),
+            *(x.to(dtype) for x in (q, k, v)),
+            phi.to(field_dtype),
+            dout.to(dtype),
+        )
+
+    got = run(torch.bfloat16, torch.float32)
+    ref = run(torch.float64, torch.float64)
+    for name, a, r in zip(("out", "dq", "dk", "dv", "dphi"), got, ref):
+        err = (a.double() - r).abs().max().item() / r.abs().max().item()
+        assert err < 3e-2, f"{name}: relative error {err:.3g}"
+    # The same field rounded to bf16 loses it: the check above can fail.
+    bad = run(torch.bfloat16, torch.bfloat16)[0]
+    assert (bad.double() - ref[0]).abs().max().item() > 0.1

@@ -151,6 +151,44 @@ def test_blocks_on_strided_views_and_other_leading_dims() -> None:
     assert_close("lse 3-d", lse3, rlse3)
 
 
+MISMATCHED = [
+    {"cross_fwd": tk.GPU_TILES["cross_fwd"][i % 4], "cross_dq": tk.GPU_TILES["cross_dq"][i % 3],
+     "cross_dkv": tk.GPU_TILES["cross_dkv"][(i + 1) % 3], "fwd": (16, 64), "dq": (64, 16), "dkv": (32, 16)}
+    for i in range(2)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tiles", MISMATCHED, ids=["gpu0", "gpu1"])
+def test_blocks_on_mismatched_tiles_match_chunked(tiles: dict) -> None:
+    """Each ring kernel pinned to a different entry of its GPU list (as independent autotuners may pick):
+    cross and diagonal blocks still equal the chunked blocks, field gradients and dm included."""
+    g = torch.Generator().manual_seed(21)
+    b, h, lq, lk, d = 1, 2, 150, 170, 16
+    q, k, v, do = (
+        _randn(g, b, h, lq, d),
+        _randn(g, b, h, lk, d),
+        _randn(g, b, h, lk, d),
+        _randn(g, b, h, lq, d),
+    )
+    phi_q, phi_k = _field(g, (b, h, lq), True), _field(g, (b, h, lk), True)
+    mb = _m_between(g, "finite", phi_q, phi_k, True)
+    args = (q, k, v, phi_q, phi_k, mb)
+    out, lse = tk.fpa_cross_forward(*args, kind="fpa", tiles=tiles)
+    ref_out, ref_lse = chunked.fpa_cross_forward(*args, kind="fpa")
+    assert_close("cross out", out, ref_out)
+    got = tk.fpa_cross_backward(do, *args, ref_lse, out=ref_out, kind="fpa", tiles=tiles)
+    ref = chunked.fpa_cross_backward(do, *args, ref_lse, out=ref_out, kind="fpa")
+    for name in chunked.CrossGrads._fields:
+        assert_close("cross " + name, getattr(got, name), getattr(ref, name))
+    out, lse = tk.fpa_diag_forward(q, q, do, phi_q, kind="fpa", tiles=tiles)
+    ref_out, ref_lse = chunked.fpa_diag_forward(q, q, do, phi_q, kind="fpa")
+    assert_close("diag out", out, ref_out)
+    got = tk.fpa_diag_backward(do, q, q, do, phi_q, ref_lse, out=ref_out, kind="fpa", tiles=tiles)
+    ref = chunked.fpa_diag_backward(do, q, q, do, phi_q, ref_lse, out=ref_out, kind="fpa")
+    for name in chunked.DiagGrads._fields:
+        assert_close("diag " + name, getattr(got, name), getattr(ref, name))
+
+
 @pytest.mark.parametrize("kind", ["fpa", "fox"])
 def test_bf16_blocks_track_chunked(kind: str) -> None:
     """bf16 inputs: float32 outputs and gradients (as the chunked blocks give), close to them."""
@@ -219,9 +257,12 @@ def test_block_bad_input_gives_clear_error(case: str, match: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_autotuned_blocks_match_chunked(kind: str, d: int, dtype: torch.dtype) -> None:
+def test_gpu_autotuned_blocks_match_chunked(
+    kind: str, d: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ring-sized chunks on the GPU with autotuned tiles: a diagonal block of 1000 and a cross block of
-    1000 queries against 700 earlier keys (finite M), the chunked blocks as reference."""
+    1000 queries against 700 earlier keys (finite M), the chunked blocks as reference (IEEE fp32 dots)."""
+    monkeypatch.setattr(tk, "FP32_PRECISION", "ieee")
     g = torch.Generator().manual_seed(d)
     b, h, lq, lk = 2, 3, 1000, 700
     q, kd, vd, do = (_randn(g, b, h, lq, d).to(dtype) for _ in range(4))

@@ -4,10 +4,13 @@
 - "naive":   the T x T oracle (naive.py), autograd through plain tensor ops; tests only.
 - "chunked": flash-style PyTorch path with O(T) memory and a custom backward (chunked.py).
 - "triton":  the fused kernel (triton_kernel.py); errors clearly if Triton cannot run here.
-- "auto":    Triton for CUDA tensors when it imports, the chunked path everywhere else.
+- "auto":    Triton for CUDA tensors when it imports and serves the shape, the chunked path everywhere
+             else (with one warning per reason when a CUDA call falls back: Tq != Tk, head dim > 128).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -34,6 +37,27 @@ def _triton_usable(q: torch.Tensor) -> bool:
     return True
 
 
+_WARNED: set[str] = set()
+
+
+def _auto_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """"triton" where the kernel runs and serves these shapes, else "chunked" (warning once per reason)."""
+    if not _triton_usable(q):
+        return "chunked"
+    from fpa_model.ops.fpa.triton_kernel import unsupported_reason
+
+    reason = unsupported_reason(q, k, v)
+    if reason is None:
+        return "triton"
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"fpa_attention(impl='auto'): the Triton kernel {reason}; using the chunked PyTorch path",
+            stacklevel=3,
+        )
+    return "chunked"
+
+
 def fpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,7 +79,7 @@ def fpa_attention(
     if kind not in KINDS:
         raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
     if impl == "auto":
-        impl = "triton" if _triton_usable(q) else "chunked"
+        impl = _auto_impl(q, k, v)
     if impl == "naive":
         return fpa_attention_naive(q, k, v, phi, kind=kind, scale=scale)
     if impl == "chunked":

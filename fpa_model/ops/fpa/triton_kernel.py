@@ -1,27 +1,31 @@
 """Triton kernels for the FPA attention family (fpa | fox | softmax): causal, flash-style, O(T) memory.
 
-Math (shared/design/FPA.md): logit_ij = scale * q_i . k_j + b_ij with
+Math (docs/FPA.md): logit_ij = scale * q_i . k_j + b_ij with
     fpa:     b_ij = min_{j <= t <= i} phi_t - phi_j
     fox:     b_ij = phi_i - phi_j
     softmax: b_ij = 0
 
-Tiling. Queries and keys share one block size BLOCK (a power of 2), so query block qb and key block qb
-cover the same positions. For a key block kb < qb the range-min splits into three parts,
-    min(P_i, S_j, M) with P_i = prefix-min of the query block up to i, S_j = suffix-min of the key block
-    from j, M = min of the blocks strictly between,
-and M is one running scalar while the key blocks are visited from the diagonal downwards. On the
-diagonal tile the range-min is built level by level: a pair (i, j), j < i, whose local indices have
-their highest differing bit at h is split at the start c of i's aligned 2^h segment, so min[j, i] = min(suffix-min of j's
-2^h segment from j, prefix-min of i's 2^h segment up to i). That is log2(BLOCK) tile passes instead of
-BLOCK, and each pass knows which position holds the minimum.
+Levels: the tiling-independent decomposition of the range-min. For a pair j < i let h be the highest bit
+in which i and j differ and c = i with its bits below h cleared (the start of i's aligned 2^h segment). Then
+[j, i] = [j, c) + [c, i], so
+    min_{j <= t <= i} phi_t = min(SUF[h, j], PRE[h, i])
+with PRE[h, t] the prefix-min of phi inside t's aligned 2^h segment and SUF[h, t] the suffix-min. The host
+computes PRE and SUF for every level once per call (O(T log T) elements, `field_levels`). Ties go to the
+lowest index, i.e. to the SUF side (j's half) when the two are equal.
 
-Backward. d b_ij / d phi_t = [t = argmin over [j, i]] - [t = j], ties to the LOWEST index (the rule the
-chunked path shares). ds_ij is routed to the argmin: prefix-min (per query, in the dq kernel), suffix-min
-(per key, in the dk/dv kernel), the between-blocks minimum M (one scalar per tile, flushed with an atomic
-add only when the running argmin moves) and the diagonal tile (dq kernel). The -[t = j] term is the
-column sum of ds (dk/dv kernel). Each kernel owns the positions it stores, so everything except the
-M route is deterministic (on GPU the M-route atomics may change the last bits of d phi from run to
-run). Nothing of size T x T is stored; the forward keeps only the log-sum-exp.
+Tiles. Query tiles of BLOCK_M rows and key tiles of BLOCK_N columns are independent powers of 2 (16..128).
+Let LG = log2(max(BLOCK_M, BLOCK_N)). A key tile outside the query tile's aligned 2^LG block ("far") has one
+level for all its pairs, h = highbit(m0 ^ n0), so its bias is one min of two loaded vectors; the tiles inside
+that block ("near", at most 2^LG / BLOCK_N of them) take the level of each pair, LG masked passes.
+
+Backward routing. d b_ij / d phi_t = [t = argmin over [j, i]] - [t = j]. The argmin is the lowest-index
+argmin of SUF[h, j] when that side wins, else of PRE[h, i]; which side wins depends on (i, j) and phi
+only, never on a tile size. So the dq kernel (which owns rows) writes ROWR[h, i] = sum of ds_ij over the
+pairs of level h that PRE wins, the dk/dv kernel (which owns columns) writes COLR[h, j] for the pairs SUF
+wins and DCOL[j] = sum_{i > j} ds_ij, and the host sends ROWR[h, i] to argPRE[h, i] and COLR[h, j] to
+argSUF[h, j] (`route_levels`: runs of equal argmin are contiguous, so this is a float64 cumsum and a
+difference per run). Every buffer element has one writer: no atomics, the same field gradient whatever
+tiles the autotuner picks for each kernel, and the same bits from run to run.
 
 Ring blocks. The sequence-parallel ring (fpa_model/context_parallel.py) calls fpa_cross_forward /
 fpa_cross_backward / fpa_diag_forward / fpa_diag_backward, with the signatures and return types of the
@@ -29,19 +33,23 @@ chunked path's blocks (natural-log lse in and out). The diagonal block is the ca
 (its backward fed with the merged rows' lse and delta). The cross block (a query chunk against a strictly
 earlier key chunk, every pair visible, Lq != Lk allowed) has its own three kernels; P, S, their argmins
 and min(P, M) come from the chunked path's scans on the host, and the host routes the kernels' per-row /
-per-column ds sums to argP, argS and M with the same tie rule, so the cross block needs no atomics.
+per-column ds sums to argP, argS and M with the same tie rule, so the cross block needs no atomics either.
 
-All math runs in fp32. On GPU, bf16/fp16 inputs feed tl.dot in their own dtype (fp32 accumulate) and fp32
-inputs use IEEE fp32 dots (no TF32); under the CPU interpreter everything is cast to fp32 right after the load (bf16 math there is wrong).
+Precision. All softmax and field math runs in fp32 and the field stays fp32. bf16/fp16 inputs feed tl.dot
+in their own dtype (fp32 accumulate); fp32 inputs use TF32 tensor-core dots on GPU unless
+fp32_precision="ieee" is asked for. Under the CPU interpreter everything is cast to fp32 right after the
+load (bf16 math there is wrong) and dots are plain fp32.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -51,6 +59,7 @@ from fpa_model.ops.fpa.naive import KINDS
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KIND_ID = {"fpa": 0, "fox": 1, "softmax": 2}
 MAX_HEAD_DIM = 128
+MIN_TILE, MAX_TILE = 16, 128
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -60,83 +69,69 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _min_combine(a, b):
-    return tl.minimum(a, b)
+def _highbit(x):
+    """floor(log2(x)) of a positive int32 scalar: the level of a far tile, x = m0 ^ n0."""
+    h = (x >> 1) != 0
+    h = h.to(tl.int32)
+    for b in tl.static_range(2, 31):
+        h += ((x >> b) != 0).to(tl.int32)
+    return h
 
 
 @triton.jit
-def _argmin_combine(v1, i1, v2, i2):
-    # Lexicographic (value, index) min: commutative, so forward and reverse scans both pick the
-    # lowest index among equal minima.
-    take1 = (v1 < v2) | ((v1 == v2) & (i1 < i2))
-    return tl.where(take1, v1, v2), tl.where(take1, i1, i2)
+def _near_field(
+    PRE, SUF, T, offs_q, offs_k, q_ok, k_ok, phi_k,
+    BQ: tl.constexpr, BK: tl.constexpr, LG: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Pairs of one aligned 2^LG block, each at its own level: (range-min tile, routed-level tile).
 
-
-@triton.jit
-def _seg_minscan(phi, idx, SEG: tl.constexpr, BLOCK: tl.constexpr):
-    """Prefix and suffix (min, argmin) of phi inside aligned segments of SEG elements."""
-    v2 = tl.reshape(phi, (BLOCK // SEG, SEG))
-    i2 = tl.reshape(idx, (BLOCK // SEG, SEG))
-    pv, pi = tl.associative_scan((v2, i2), 1, _argmin_combine)
-    sv, si = tl.associative_scan((v2, i2), 1, _argmin_combine, reverse=True)
-    return (
-        tl.reshape(pv, (BLOCK,)),
-        tl.reshape(pi, (BLOCK,)),
-        tl.reshape(sv, (BLOCK,)),
-        tl.reshape(si, (BLOCK,)),
-    )
-
-
-@triton.jit
-def _diag_range_min(phi, BLOCK: tl.constexpr, LOG_B: tl.constexpr):
-    """(BLOCK, BLOCK) tile of min_{j <= t <= i} phi_t for a diagonal tile (rows i, columns j, j <= i)."""
-    li = tl.arange(0, BLOCK)
-    rmin = tl.zeros((BLOCK, BLOCK), tl.float32) + phi[None, :]  # i == j: the key itself
-    for h in tl.static_range(LOG_B):
-        if h == 0:
-            pv = phi
-            sv = phi
+    A pair's level is the highest bit of i ^ j: the float exponent of that integer (exact below 2^24;
+    i == j gives a negative level: range-min phi_j, bias 0, no routing). The routed level is the pair's
+    level where this kernel's side wins (PRE with queries on rows, SUF with keys on rows; equal values go
+    to SUF, the lower indices), else -1. Tiles are (BQ, BK), or (BK, BQ) when KEYS_ON_ROWS."""
+    if KEYS_ON_ROWS:
+        x = offs_q[None, :] ^ offs_k[:, None]
+        rmin = tl.zeros((BK, BQ), tl.float32) + phi_k[:, None]
+    else:
+        x = offs_q[:, None] ^ offs_k[None, :]
+        rmin = tl.zeros((BQ, BK), tl.float32) + phi_k[None, :]
+    lvl = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    mine = lvl < -1  # all False
+    for h in tl.static_range(LG):
+        pre = tl.load(PRE + h * T + offs_q, mask=q_ok, other=0.0)
+        suf = tl.load(SUF + h * T + offs_k, mask=k_ok, other=0.0)
+        if KEYS_ON_ROWS:
+            pb = pre[None, :]
+            sb = suf[:, None]
         else:
-            pv, _pi, sv, _si = _seg_minscan(phi, li, 1 << h, BLOCK)
-        # Ascending h overwrites, so each pair ends at its highest differing bit.
-        split = (li[:, None] >> h) != (li[None, :] >> h)
-        rmin = tl.where(split, tl.minimum(pv[:, None], sv[None, :]), rmin)
-    return rmin
-
-
-@triton.jit
-def _route(vals, targets, BLOCK: tl.constexpr):
-    """out[t] = sum_i vals[i] * [targets[i] == t] for local targets in [0, BLOCK)."""
-    t = tl.arange(0, BLOCK)
-    return tl.sum(tl.where(targets[:, None] == t[None, :], vals[:, None], 0.0), 0)
-
-
-@triton.jit
-def _diag_dphi(phi, ds, BLOCK: tl.constexpr, LOG_B: tl.constexpr):
-    """Field gradient of a diagonal tile, argmin part only: sum_ij ds_ij [t = argmin over [j, i]]."""
-    li = tl.arange(0, BLOCK)
-    eye = li[:, None] == li[None, :]
-    dloc = tl.sum(tl.where(eye, ds, 0.0), 1)  # b_ii: the minimum over [i, i] sits at i
-    for h in tl.static_range(LOG_B):
-        if h == 0:
-            pv = phi
-            pi = li
-            sv = phi
-            si = li
+            pb = pre[:, None]
+            sb = suf[None, :]
+        at = lvl == h
+        rmin = tl.where(at, tl.minimum(pb, sb), rmin)
+        if KEYS_ON_ROWS:
+            mine = tl.where(at, sb <= pb, mine)
         else:
-            pv, pi, sv, si = _seg_minscan(phi, li, 1 << h, BLOCK)
-        level = ((li[:, None] >> h) != (li[None, :] >> h)) & (
-            (li[:, None] >> (h + 1)) == (li[None, :] >> (h + 1))
-        )
-        s_wins = sv[None, :] <= pv[:, None]  # tie: the key side holds the lower index
-        dloc += _route(tl.sum(tl.where(level & s_wins, ds, 0.0), 0), si, BLOCK)
-        dloc += _route(tl.sum(tl.where(level & (~s_wins), ds, 0.0), 1), pi, BLOCK)
-    return dloc
+            mine = tl.where(at, pb < sb, mine)
+    return rmin, tl.where(mine, lvl, -1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# forward
-# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _level_sums(acc, ds, lvl, AXIS: tl.constexpr, LG: tl.constexpr, LGP: tl.constexpr):
+    """acc[h, :] += sum of ds over AXIS where the routed level is h, for h < LG (acc is (LGP, n))."""
+    ids = tl.arange(0, LGP)
+    for h in tl.static_range(LG):
+        part = tl.sum(tl.where(lvl == h, ds, 0.0), AXIS)
+        acc += tl.where(ids[:, None] == h, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _load_rows(ptr, offs, stride, offs_d, ok, d_ok, LOWP: tl.constexpr):
+    """A (rows, HEAD_DIM) tile of q / k / v / do, zero outside; fp32 unless the dots run in low precision."""
+    x = tl.load(ptr + offs[:, None] * stride + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    if not LOWP:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -149,86 +144,86 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+
+
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, PHI, O, LSE,
+    Q, K, V, PHI, PRE, SUF, O, LSE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, T, D, qk_scale,
-    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LOG_B: tl.constexpr,
-    LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+    H, T, D, NLEV, T_BUCKET, qk_scale,
+    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
-    m0 = pid_m * BLOCK
-    li = tl.arange(0, BLOCK)
-    offs_m = m0 + li
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < T
     d_ok = offs_d < D
-    Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     PHI += pid_bh * T
+    PRE += pid_bh * NLEV * T
+    SUF += pid_bh * NLEV * T
 
-    q = tl.load(
-        Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
-    )
-    if not LOWP:
-        q = q.to(tl.float32)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
     phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
 
-    m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK,), tl.float32)
-    acc = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-
-    # Diagonal tile first: every valid row gets a finite running max before the off-diagonal tiles.
-    kv_mask = m_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + offs_m[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + offs_m[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    if not LOWP:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if KIND == 0:
-        s += (_diag_range_min(phi_q, BLOCK, LOG_B) - phi_q[None, :]) * _LOG2E
-    elif KIND == 1:
-        s += (phi_q[:, None] - phi_q[None, :]) * _LOG2E
-    causal = (offs_m[None, :] <= offs_m[:, None]) & m_ok[None, :]
-    s = tl.where(causal, s, float("-inf"))
-    m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
-
-    if KIND == 0:
-        p_min = tl.associative_scan(phi_q, 0, _min_combine)
-    run_min = tl.min(tl.full((BLOCK,), float("inf"), tl.float32), 0)  # M over the blocks in between
-    for it in range(0, pid_m):
-        offs_n = m0 - (it + 1) * BLOCK + li  # full blocks: they lie below a query block
-        k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        if not LOWP:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+    # Near tiles first: the first one holds key d0 <= every row, so each row's running max turns finite.
+    d0 = (m0 >> LG) << LG
+    for n0 in range(d0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        offs_n = n0 + ln
+        n_ok = offs_n < T
+        k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
+        v = _load_rows(V, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if KIND == 0:
+            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+            rmin, _lv = _near_field(
+                PRE, SUF, T, offs_m, offs_n, m_ok, n_ok, phi_k, BLOCK_M, BLOCK_N, LG, False
+            )
+            s += (rmin - phi_k[None, :]) * _LOG2E
+        elif KIND == 1:
+            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
+        s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+
+    # Far tiles: whole key tiles below the block, one level each.
+    for n0 in range(0, d0, BLOCK_N):
+        offs_n = n0 + ln
+        all_n = offs_n >= 0
+        k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
+        v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if KIND == 0:
+            lev = _highbit(m0 ^ n0)
+            pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
+            suf = tl.load(SUF + lev * T + offs_n)
             phi_k = tl.load(PHI + offs_n)
-            s_min = tl.associative_scan(phi_k, 0, _min_combine, reverse=True)
-            row_min = tl.minimum(p_min, run_min)
-            s += (tl.minimum(row_min[:, None], s_min[None, :]) - phi_k[None, :]) * _LOG2E
-            run_min = tl.minimum(run_min, tl.min(phi_k, 0))
+            s += (tl.minimum(pre[:, None], suf[None, :]) - phi_k[None, :]) * _LOG2E
         elif KIND == 1:
             phi_k = tl.load(PHI + offs_n)
             s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
-    acc = acc / l_i[:, None]
     O += b * stride_ob + h * stride_oh
     tl.store(
         O + offs_m[:, None] * stride_ot + offs_d[None, :],
-        acc.to(O.dtype.element_ty),
+        (acc / l_i[:, None]).to(O.dtype.element_ty),
         mask=m_ok[:, None] & d_ok[None, :],
     )
     tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log2(l_i), mask=m_ok)  # base-2 log-sum-exp
@@ -265,66 +260,93 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, PHI, DO, LSE, DELTA, DQ, DPHI_Q, DPHI_M,
+    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DQ, DROW, ROWR,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dqb, stride_dqh, stride_dqt,
-    H, T, D, qk_scale, sm_scale,
-    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LOG_B: tl.constexpr,
-    LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+    H, T, D, NLEV, T_BUCKET, qk_scale, sm_scale,
+    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """dq and the query-side field gradient: prefix-min route, diagonal tiles, M route (atomics)."""
+    """dq and the row side of the field gradient: fpa ROWR[h, i] (pairs PRE wins), fox DROW_i = sum_{j<i} ds."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
-    m0 = pid_m * BLOCK
-    li = tl.arange(0, BLOCK)
-    offs_m = m0 + li
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < T
     d_ok = offs_d < D
-    Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
-    DO += b * stride_dob + h * stride_doh
     PHI += pid_bh * T
+    PRE += pid_bh * NLEV * T
+    SUF += pid_bh * NLEV * T
+    ROWR += pid_bh * NLEV * T
 
-    row_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_mask, other=0.0)
-    if not LOWP:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dot, offs_d, m_ok, d_ok, LOWP)
     # lse = +inf on rows past T makes their probabilities exactly 0 (so ds is 0 there).
     lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + pid_bh * T + offs_m, mask=m_ok, other=0.0)
     phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    drow = tl.zeros((BLOCK_M,), tl.float32)
 
-    dq = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    dphi = tl.zeros((BLOCK,), tl.float32)
-
-    if KIND == 0:
-        p_min, p_arg = tl.associative_scan((phi_q, li), 0, _argmin_combine)
-    row_route = tl.zeros((BLOCK,), tl.float32)  # ds mass owed to the prefix-min argmin of each row
-    run_min = tl.min(tl.full((BLOCK,), float("inf"), tl.float32), 0)
-    run_arg = tl.sum(tl.zeros((BLOCK,), tl.int32), 0)
-    acc_m = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)  # ds mass owed to the current argmin of M
-    for it in range(0, pid_m):
-        offs_n = m0 - (it + 1) * BLOCK + li
-        k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        if not LOWP:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+    d0 = (m0 >> LG) << LG
+    near = tl.zeros((LGP, BLOCK_M), tl.float32)  # fpa: ROWR of the levels below LG
+    for n0 in range(d0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        offs_n = n0 + ln
+        n_ok = offs_n < T
+        k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
+        v = _load_rows(V, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if KIND == 0:
+            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+            rmin, lvl = _near_field(
+                PRE, SUF, T, offs_m, offs_n, m_ok, n_ok, phi_k, BLOCK_M, BLOCK_N, LG, False
+            )
+            s += (rmin - phi_k[None, :]) * _LOG2E
+        elif KIND == 1:
+            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
+        s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+        if KIND == 0:
+            near = _level_sums(near, ds, lvl, 1, LG, LGP)
+        elif KIND == 1:
+            drow += tl.sum(tl.where(offs_n[None, :] < offs_m[:, None], ds, 0.0), 1)
+    if KIND == 0:
+        ids = tl.arange(0, LGP)
+        tl.store(ROWR + ids[:, None] * T + offs_m[None, :], near, mask=(ids < LG)[:, None] & m_ok[None, :])
+
+    # Far tiles, ascending: the level never rises, so each level's row sums are complete when it changes.
+    cur = tl.full(
+        (BLOCK_M,), -1, tl.int32
+    )  # the level being summed (a vector: scalar masks fail to broadcast)
+    racc = tl.zeros((BLOCK_M,), tl.float32)
+    for n0 in range(0, d0, BLOCK_N):
+        offs_n = n0 + ln
+        all_n = offs_n >= 0
+        k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
+        v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if KIND == 0:
+            lev = _highbit(m0 ^ n0)
+            tl.store(ROWR + tl.maximum(cur, 0) * T + offs_m, racc, mask=m_ok & (cur != lev) & (cur >= 0))
+            racc = tl.where(cur != lev, 0.0, racc)
+            cur = tl.zeros_like(cur) + lev
+            pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
+            suf = tl.load(SUF + lev * T + offs_n)
             phi_k = tl.load(PHI + offs_n)
-            s_min = tl.associative_scan(phi_k, 0, _min_combine, reverse=True)
-            row_min = tl.minimum(p_min, run_min)
-            s += (tl.minimum(row_min[:, None], s_min[None, :]) - phi_k[None, :]) * _LOG2E
+            s += (tl.minimum(pre[:, None], suf[None, :]) - phi_k[None, :]) * _LOG2E
         elif KIND == 1:
             phi_k = tl.load(PHI + offs_n)
             s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
@@ -333,197 +355,161 @@ def _bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
         if KIND == 0:
-            # Winner order on ties (lowest index): S (key block) < M (between) < P (query block).
-            not_s = tl.sum(tl.where(s_min[None, :] <= row_min[:, None], 0.0, ds), 1)
-            m_wins = run_min <= p_min
-            row_route += tl.where(m_wins, 0.0, not_s)
-            acc_m += tl.sum(tl.where(m_wins, not_s, 0.0), 0)
-            # Fold this key block into M; when its argmin moves, flush what the old one is owed.
-            blk_min, blk_arg = tl.reduce((phi_k, offs_n), 0, _argmin_combine)
-            moved = blk_min <= run_min
-            tl.atomic_add(DPHI_M + pid_bh * T + run_arg, acc_m, mask=moved & (acc_m != 0.0))
-            acc_m = tl.where(moved, 0.0, acc_m)
-            run_min = tl.where(moved, blk_min, run_min)
-            run_arg = tl.where(moved, blk_arg, run_arg)
+            racc += tl.sum(tl.where(pre[:, None] < suf[None, :], ds, 0.0), 1)
         elif KIND == 1:
-            dphi += tl.sum(ds, 1)
-
+            drow += tl.sum(ds, 1)
     if KIND == 0:
-        tl.atomic_add(DPHI_M + pid_bh * T + run_arg, acc_m, mask=acc_m != 0.0)
-        dphi += _route(row_route, p_arg, BLOCK)
-
-    # Diagonal tile last: its level-by-level routing then does not share registers with the loop state.
-    k = tl.load(K + offs_m[:, None] * stride_kt + offs_d[None, :], mask=row_mask, other=0.0)
-    v = tl.load(V + offs_m[:, None] * stride_vt + offs_d[None, :], mask=row_mask, other=0.0)
-    if not LOWP:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if KIND == 0:
-        s += (_diag_range_min(phi_q, BLOCK, LOG_B) - phi_q[None, :]) * _LOG2E
-    elif KIND == 1:
-        s += (phi_q[:, None] - phi_q[None, :]) * _LOG2E
-    causal = (offs_m[None, :] <= offs_m[:, None]) & m_ok[None, :]
-    s = tl.where(causal, s, float("-inf"))
-    p = tl.exp2(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-    if KIND == 0:
-        dphi += _diag_dphi(phi_q, ds, BLOCK, LOG_B)
-    elif KIND == 1:
-        dphi += tl.sum(ds, 1)
+        tl.store(ROWR + tl.maximum(cur, 0) * T + offs_m, racc, mask=m_ok & (cur >= 0))
 
     DQ += b * stride_dqb + h * stride_dqh
     tl.store(
         DQ + offs_m[:, None] * stride_dqt + offs_d[None, :],
         (dq * sm_scale).to(DQ.dtype.element_ty),
-        mask=row_mask,
+        mask=m_ok[:, None] & d_ok[None, :],
     )
-    if KIND != 2:
-        tl.store(DPHI_Q + pid_bh * T + offs_m, dphi, mask=m_ok)
+    if KIND == 1:
+        tl.store(DROW + pid_bh * T + offs_m, drow, mask=m_ok)
 
 
 @triton.jit
 def _bwd_dkv_kernel(
-    Q, K, V, PHI, DO, LSE, DELTA, DK, DV, DPHI_K,
+    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DK, DV, DCOL, COLR,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    H, T, D, qk_scale, sm_scale,
-    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LOG_B: tl.constexpr,
-    LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+    H, T, D, NLEV, T_BUCKET, qk_scale, sm_scale,
+    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk, dv and the key-side field gradient: suffix-min route minus the column sum of ds."""
+    """dk, dv and the column side of the field gradient, computed as K.Q^T tiles (keys on rows, so P and dS
+    feed the dv and dk dots untransposed): DCOL_j = sum_{i > j} ds_ij, fpa COLR[h, j] (pairs SUF wins)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
-    n0 = pid_n * BLOCK
-    li = tl.arange(0, BLOCK)
-    offs_n = n0 + li
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    lm = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     n_ok = offs_n < T
     d_ok = offs_d < D
     Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
     DO += b * stride_dob + h * stride_doh
     PHI += pid_bh * T
     LSE += pid_bh * T
     DELTA += pid_bh * T
+    PRE += pid_bh * NLEV * T
+    SUF += pid_bh * NLEV * T
+    COLR += pid_bh * NLEV * T
 
-    col_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask=col_mask, other=0.0)
-    v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=col_mask, other=0.0)
-    if not LOWP:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
     phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    col = tl.zeros((BLOCK_N,), tl.float32)
 
-    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    col_sum = tl.zeros((BLOCK,), tl.float32)
-
-    # diagonal tile: the queries at the same positions
-    q = tl.load(Q + offs_n[:, None] * stride_qt + offs_d[None, :], mask=col_mask, other=0.0)
-    do = tl.load(DO + offs_n[:, None] * stride_dot + offs_d[None, :], mask=col_mask, other=0.0)
-    if not LOWP:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse = tl.load(LSE + offs_n, mask=n_ok, other=float("inf"))
-    delta = tl.load(DELTA + offs_n, mask=n_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if KIND == 0:
-        s += (_diag_range_min(phi_k, BLOCK, LOG_B) - phi_k[None, :]) * _LOG2E
-    elif KIND == 1:
-        s += (phi_k[:, None] - phi_k[None, :]) * _LOG2E
-    causal = (offs_n[None, :] <= offs_n[:, None]) & n_ok[None, :]
-    s = tl.where(causal, s, float("-inf"))
-    p = tl.exp2(s - lse[:, None])
-    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
-    col_sum += tl.sum(ds, 0)
-
-    if KIND == 0:
-        s_min, s_arg = tl.associative_scan((phi_k, li), 0, _argmin_combine, reverse=True)
-    col_route = tl.zeros((BLOCK,), tl.float32)  # ds mass owed to the suffix-min argmin of each key
-    run_min = tl.min(tl.full((BLOCK,), float("inf"), tl.float32), 0)
-    n_blocks = tl.cdiv(T, BLOCK)
-    for qb in range(pid_n + 1, n_blocks):
-        offs_m = qb * BLOCK + li
+    d0 = (n0 >> LG) << LG
+    near = tl.zeros((LGP, BLOCK_N), tl.float32)  # fpa: COLR of the levels below LG
+    first = d0 + ((n0 - d0) // BLOCK_M) * BLOCK_M  # the first query tile that reaches key n0
+    for m0 in range(first, tl.minimum(d0 + (1 << LG), T), BLOCK_M):
+        offs_m = m0 + lm
         m_ok = offs_m < T
-        row_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_mask, other=0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_mask, other=0.0)
-        if not LOWP:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
+        q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
+        do = _load_rows(DO, offs_m, stride_dot, offs_d, m_ok, d_ok, LOWP)
         lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
         delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
         if KIND == 0:
-            phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
-            p_min = tl.associative_scan(phi_q, 0, _min_combine)
-            row_min = tl.minimum(p_min, run_min)
-            s += (tl.minimum(row_min[:, None], s_min[None, :]) - phi_k[None, :]) * _LOG2E
-            # The padded tail of the last block never sits between two blocks, so its fill is harmless.
-            run_min = tl.minimum(run_min, tl.min(phi_q, 0))
+            rmin, lvl = _near_field(
+                PRE, SUF, T, offs_m, offs_n, m_ok, n_ok, phi_k, BLOCK_M, BLOCK_N, LG, True
+            )
+            st += (rmin - phi_k[:, None]) * _LOG2E
         elif KIND == 1:
             phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
-            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
-        p = tl.exp2(s - lse[:, None])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+            st += (phi_q[None, :] - phi_k[:, None]) * _LOG2E
+        st = tl.where(offs_n[:, None] <= offs_m[None, :], st, float("-inf"))
+        pt = tl.exp2(st - lse[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+        dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
         if KIND != 2:
-            col_sum += tl.sum(ds, 0)
+            col += tl.sum(tl.where(offs_n[:, None] < offs_m[None, :], dst, 0.0), 1)
         if KIND == 0:
-            col_route += tl.sum(tl.where(s_min[None, :] <= row_min[:, None], ds, 0.0), 0)
+            near = _level_sums(near, dst, lvl, 1, LG, LGP)
+    if KIND == 0:
+        ids = tl.arange(0, LGP)
+        tl.store(COLR + ids[:, None] * T + offs_n[None, :], near, mask=(ids < LG)[:, None] & n_ok[None, :])
+
+    # Far query tiles, ascending: the level never falls, so each level's column sums are complete when it
+    # changes.
+    cur = tl.full(
+        (BLOCK_N,), -1, tl.int32
+    )  # the level being summed (a vector: scalar masks fail to broadcast)
+    cacc = tl.zeros((BLOCK_N,), tl.float32)
+    for m0 in range(d0 + (1 << LG), T, BLOCK_M):
+        offs_m = m0 + lm
+        m_ok = offs_m < T
+        q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
+        do = _load_rows(DO, offs_m, stride_dot, offs_d, m_ok, d_ok, LOWP)
+        lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+        if KIND == 0:
+            lev = _highbit(m0 ^ n0)
+            tl.store(COLR + tl.maximum(cur, 0) * T + offs_n, cacc, mask=n_ok & (cur != lev) & (cur >= 0))
+            cacc = tl.where(cur != lev, 0.0, cacc)
+            cur = tl.zeros_like(cur) + lev
+            pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
+            suf = tl.load(SUF + lev * T + offs_n, mask=n_ok, other=0.0)
+            st += (tl.minimum(suf[:, None], pre[None, :]) - phi_k[:, None]) * _LOG2E
+        elif KIND == 1:
+            phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
+            st += (phi_q[None, :] - phi_k[:, None]) * _LOG2E
+        pt = tl.exp2(st - lse[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+        dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+        if KIND != 2:
+            col += tl.sum(dst, 1)
+        if KIND == 0:
+            cacc += tl.sum(tl.where(suf[:, None] <= pre[None, :], dst, 0.0), 1)
+    if KIND == 0:
+        tl.store(COLR + tl.maximum(cur, 0) * T + offs_n, cacc, mask=n_ok & (cur >= 0))
 
     DK += b * stride_dkb + h * stride_dkh
     DV += b * stride_dvb + h * stride_dvh
     tl.store(
         DK + offs_n[:, None] * stride_dkt + offs_d[None, :],
         (dk * sm_scale).to(DK.dtype.element_ty),
-        mask=col_mask,
+        mask=n_ok[:, None] & d_ok[None, :],
     )
-    tl.store(DV + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_mask)
-    if KIND == 0:
-        tl.store(DPHI_K + pid_bh * T + offs_n, _route(col_route, s_arg, BLOCK) - col_sum, mask=n_ok)
-    elif KIND == 1:
-        tl.store(DPHI_K + pid_bh * T + offs_n, -col_sum, mask=n_ok)
+    tl.store(
+        DV + offs_n[:, None] * stride_dvt + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=n_ok[:, None] & d_ok[None, :],
+    )
+    if KIND != 2:
+        tl.store(DCOL + pid_bh * T + offs_n, col, mask=n_ok)
 
 
 # ----------------------------------------------------------------------------------------------------
 # cross blocks (sequence-parallel ring): a query chunk against a strictly earlier key chunk
 # ----------------------------------------------------------------------------------------------------
-# Every pair is visible, so there is no causal mask and no diagonal tile; query and key chunks may have
+# Every pair is visible, so there is no causal mask and no near tile; query and key chunks may have
 # different lengths (LQ, LK), masked at the ends. The field terms come from the host, per query row
 # ROW_i (fpa: min(P_i, M); fox: phi_i) and per key column SMIN_j (fpa: S_j) and PHI_K_j, so the kernels
 # need no scans. The backward kernels emit ds sums split by which term won (the tie rule of
-# chunked._route_cross: S wins ties against the row term); the host routes them to argP / argS / M with
-# chunked.route_cross_sums, the chunked path's own routing. Each program stores only its own rows or columns: no atomics, deterministic.
-
-
-@triton.jit
-def _load_rows(ptr, offs, stride, offs_d, ok, d_ok, LOWP: tl.constexpr):
-    """A (rows, HEAD_DIM) tile of q / k / v / do, zero outside; fp32 unless the dots run in low precision."""
-    x = tl.load(ptr + offs[:, None] * stride + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    if not LOWP:
-        x = x.to(tl.float32)
-    return x
+# chunked._route_cross: S wins ties against the row term): per row and per column, whatever the tiles.
+# The host routes them to argP / argS / M with chunked.route_cross_sums, the chunked path's own routing.
 
 
 @triton.jit
 def _cross_logits(q, k, row_q, s_min, phi_k, n_ok, qk_scale, KIND: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Base-2 logits of a cross tile; padded key columns get -inf."""
+    """Base-2 logits of a cross tile (queries on rows); padded key columns get -inf."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if KIND == 0:
         s += (tl.minimum(row_q[:, None], s_min[None, :]) - phi_k[None, :]) * _LOG2E
@@ -533,30 +519,22 @@ def _cross_logits(q, k, row_q, s_min, phi_k, n_ok, qk_scale, KIND: tl.constexpr,
 
 
 @triton.jit
-def _cross_ds(s, v, do, lse, delta, DOT_PREC: tl.constexpr):
-    """(p, ds) of a tile given the full rows' base-2 lse and delta: ds = p * (do . v - delta)."""
-    p = tl.exp2(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    return p, p * (dp - delta[:, None])
-
-
-@triton.jit
 def _cross_fwd_kernel(
     Q, K, V, ROW, SMIN, PHI_K, O, LSE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, LQ, LK, D, qk_scale,
-    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    H, LQ, LK, D, LQ_BUCKET, LK_BUCKET, qk_scale,
+    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
-    li = tl.arange(0, BLOCK)
-    offs_m = pid_m * BLOCK + li
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < LQ
     d_ok = offs_d < D
@@ -567,11 +545,11 @@ def _cross_fwd_kernel(
 
     q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
     row_q = tl.load(ROW + pid_bh * LQ + offs_m, mask=m_ok, other=0.0)
-    m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK,), tl.float32)
-    acc = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    for n0 in range(0, LK, BLOCK):  # every key block holds at least one real column: m_i turns finite
-        offs_n = n0 + li
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for n0 in range(0, LK, BLOCK_N):  # every key tile holds at least one real column: m_i turns finite
+        offs_n = n0 + ln
         n_ok = offs_n < LK
         k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
         v = _load_rows(V, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
@@ -597,8 +575,8 @@ def _cross_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dqb, stride_dqh, stride_dqt,
-    H, LQ, LK, D, qk_scale, sm_scale,
-    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    H, LQ, LK, D, LQ_BUCKET, LK_BUCKET, qk_scale, sm_scale,
+    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """dq and DROW_i = sum_j ds_ij over the keys where the row term wins (fpa) or over all keys (fox)."""
@@ -606,8 +584,8 @@ def _cross_bwd_dq_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
-    li = tl.arange(0, BLOCK)
-    offs_m = pid_m * BLOCK + li
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < LQ
     d_ok = offs_d < D
@@ -622,17 +600,18 @@ def _cross_bwd_dq_kernel(
     # lse = +inf on rows past LQ makes their probabilities exactly 0 (so ds is 0 there).
     lse = tl.load(LSE + pid_bh * LQ + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + pid_bh * LQ + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    drow = tl.zeros((BLOCK,), tl.float32)
-    for n0 in range(0, LK, BLOCK):
-        offs_n = n0 + li
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    drow = tl.zeros((BLOCK_M,), tl.float32)
+    for n0 in range(0, LK, BLOCK_N):
+        offs_n = n0 + ln
         n_ok = offs_n < LK
         k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
         v = _load_rows(V, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
         s_min = tl.load(SMIN + offs_n, mask=n_ok, other=0.0)
         phi_k = tl.load(PHI_K + offs_n, mask=n_ok, other=0.0)
         s = _cross_logits(q, k, row_q, s_min, phi_k, n_ok, qk_scale, KIND, DOT_PREC)
-        _p, ds = _cross_ds(s, v, do, lse, delta, DOT_PREC)
+        p = tl.exp2(s - lse[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PREC) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
         if KIND == 0:
             drow += tl.sum(tl.where(s_min[None, :] <= row_q[:, None], 0.0, ds), 1)  # S wins ties
@@ -658,17 +637,17 @@ def _cross_bwd_dkv_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    H, LQ, LK, D, qk_scale, sm_scale,
-    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    H, LQ, LK, D, LQ_BUCKET, LK_BUCKET, qk_scale, sm_scale,
+    KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk, dv, DCOL_ALL_j = sum_i ds_ij and (fpa) DCOL_S_j = the part of it where S_j wins."""
+    """dk, dv, DCOL_ALL_j = sum_i ds_ij and (fpa) DCOL_S_j = the part of it where S_j wins; K.Q^T tiles."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
-    li = tl.arange(0, BLOCK)
-    offs_n = pid_n * BLOCK + li
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    lm = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     n_ok = offs_n < LK
     d_ok = offs_d < D
@@ -682,26 +661,31 @@ def _cross_bwd_dkv_kernel(
     v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
     s_min = tl.load(SMIN + pid_bh * LK + offs_n, mask=n_ok, other=0.0)
     phi_k = tl.load(PHI_K + pid_bh * LK + offs_n, mask=n_ok, other=0.0)
-    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    col_all = tl.zeros((BLOCK,), tl.float32)
-    col_s = tl.zeros((BLOCK,), tl.float32)
-    for m0 in range(0, LQ, BLOCK):
-        offs_m = m0 + li
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    col_all = tl.zeros((BLOCK_N,), tl.float32)
+    col_s = tl.zeros((BLOCK_N,), tl.float32)
+    for m0 in range(0, LQ, BLOCK_M):
+        offs_m = m0 + lm
         m_ok = offs_m < LQ
         q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
         do = _load_rows(DO, offs_m, stride_dot, offs_d, m_ok, d_ok, LOWP)
         row_q = tl.load(ROW + offs_m, mask=m_ok, other=0.0)
         lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
         delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
-        s = _cross_logits(q, k, row_q, s_min, phi_k, n_ok, qk_scale, KIND, DOT_PREC)
-        p, ds = _cross_ds(s, v, do, lse, delta, DOT_PREC)
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
-        if KIND != 2:
-            col_all += tl.sum(ds, 0)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
         if KIND == 0:
-            col_s += tl.sum(tl.where(s_min[None, :] <= row_q[:, None], ds, 0.0), 0)
+            st += (tl.minimum(s_min[:, None], row_q[None, :]) - phi_k[:, None]) * _LOG2E
+        elif KIND == 1:
+            st += (row_q[None, :] - phi_k[:, None]) * _LOG2E
+        pt = tl.exp2(st - lse[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+        dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+        if KIND != 2:
+            col_all += tl.sum(dst, 1)
+        if KIND == 0:
+            col_s += tl.sum(tl.where(s_min[:, None] <= row_q[None, :], dst, 0.0), 1)
 
     DK += b * stride_dkb + h * stride_dkh
     DV += b * stride_dvb + h * stride_dvh
@@ -722,56 +706,147 @@ def _cross_bwd_dkv_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
-# autotuning
+# tiles and autotuning
 # ----------------------------------------------------------------------------------------------------
 
 
-def _cfg(block: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config(
-        {"BLOCK": block, "LOG_B": block.bit_length() - 1}, num_warps=warps, num_stages=stages
-    )
+class Tile(NamedTuple):
+    """One launch configuration: query rows, key columns (powers of 2 in [16, 128]), warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
 
 
-def _no_levels(configs: list[triton.Config]) -> list[triton.Config]:
-    """The same tiles for kernels without a diagonal tile (no LOG_B parameter)."""
-    return [
-        triton.Config({"BLOCK": c.kwargs["BLOCK"]}, num_warps=c.num_warps, num_stages=c.num_stages)
-        for c in configs
-    ]
+# The GPU autotune lists (Hopper / Ampere). 64- and 128-row tiles on the side that is the MMA's M (queries
+# in fwd / dq, keys in dk/dv) so Hopper's warpgroup MMA applies. docs/kernel_resources.md has the registers,
+# spills and shared memory of every entry compiled for sm_90 and sm_80 (bench/kernel_resources.py); none
+# spills. The routing does not depend on the tiles, so each kernel may pick any entry of its list.
+GPU_TILES: dict[str, list[Tile]] = {
+    "fwd": [Tile(64, 64, 4, 3), Tile(128, 64, 8, 3), Tile(128, 32, 4, 3), Tile(64, 32, 4, 3)],
+    "dq": [Tile(64, 64, 4, 2), Tile(128, 64, 8, 2), Tile(64, 32, 4, 2)],
+    "dkv": [Tile(64, 64, 4, 2), Tile(64, 128, 8, 2), Tile(32, 64, 4, 2)],
+}
+GPU_TILES["cross_fwd"] = GPU_TILES["fwd"]
+GPU_TILES["cross_dq"] = GPU_TILES["dq"]
+GPU_TILES["cross_dkv"] = GPU_TILES["dkv"]
+# Multi-config autotune fails under the interpreter: one config per kernel there.
+_INTERPRET_TILES = {name: [Tile(32, 32, 4, 1)] for name in GPU_TILES}
+KERNEL_NAMES = tuple(GPU_TILES)
 
 
-if _INTERPRET:
-    # Multi-config autotune fails under the interpreter; one config, and bigger blocks run faster there.
-    _FWD_CONFIGS = [_cfg(32, 4, 1)]
-    _BWD_CONFIGS = [_cfg(32, 4, 1)]
-else:
-    # Hopper / Ampere. Kept short: with the diagonal-tile levels unrolled, one fpa backward config takes
-    # 5-15 s to compile for sm_90, and every config is compiled on the first call (then cached on disk).
-    # Spills measured by compiling for sm_90 with the bundled ptxas (head dim 64, no GPU at hand):
-    # fwd 32/4 warps and 64/8 none, 64/4 40 B, 128/8 104 B; dq 32/4 8 B, 64/8 168 B, 64/4 304 B;
-    # dkv 32/4 none, 64/8 96 B, 64/4 232 B; 128-row backward tiles spill kilobytes, so they are left out.
-    _FWD_CONFIGS = [_cfg(32, 4, 3), _cfg(64, 4, 3), _cfg(64, 8, 3), _cfg(128, 8, 3)]
-    _BWD_CONFIGS = [_cfg(32, 4, 2), _cfg(32, 4, 3), _cfg(64, 8, 2), _cfg(64, 8, 3)]
+def _levels_below(tile: Tile) -> int:
+    return max(tile.block_m, tile.block_n).bit_length() - 1
 
-_TUNE_KEY = ["T", "HEAD_DIM", "KIND", "LOWP"]
-_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)(_fwd_kernel)
-# Autotune reruns the kernel: the atomically accumulated M-route buffer must start from zero each time.
-_bwd_dq_tuned = triton.autotune(configs=_BWD_CONFIGS, key=_TUNE_KEY, reset_to_zero=["DPHI_M"])(_bwd_dq_kernel)
-_bwd_dkv_tuned = triton.autotune(configs=_BWD_CONFIGS, key=_TUNE_KEY)(_bwd_dkv_kernel)
-# Cross blocks: the causal kernels' tile list (not timed: no GPU at hand). Stack (spill) bytes of their
-# sm_90 cubins (cuobjdump -res-usage, bf16, head dim 64 / 128): fwd 128/8 warps 24 / 104 B, dkv 64/8
-# 88 / 736 B, every other listed config 0; 128-row backward tiles (not listed) spill 288-2464 B.
-_CROSS_KEY = ["LQ", "LK", "HEAD_DIM", "KIND", "LOWP"]
-_cross_fwd_tuned = triton.autotune(configs=_no_levels(_FWD_CONFIGS), key=_CROSS_KEY)(_cross_fwd_kernel)
-_cross_dq_tuned = triton.autotune(configs=_no_levels(_BWD_CONFIGS), key=_CROSS_KEY)(_cross_bwd_dq_kernel)
-_cross_dkv_tuned = triton.autotune(configs=_no_levels(_BWD_CONFIGS), key=_CROSS_KEY)(_cross_bwd_dkv_kernel)
+
+def _meta(tile: Tile, kernel) -> dict:
+    """The constexpr tile parameters of `kernel` for `tile` (near-tile level counts where it has them)."""
+    meta = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n}
+    if "LG" in kernel.arg_names:
+        lg = _levels_below(tile)
+        meta.update(LG=lg, LGP=triton.next_power_of_2(lg))
+    return meta
+
+
+def _tuned(kernel, name: str, key: list[str]):
+    tiles = _INTERPRET_TILES[name] if _INTERPRET else GPU_TILES[name]
+    configs = [triton.Config(_meta(t, kernel), num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+# Lengths enter the key as powers of 2, so an eval sweep over lengths tunes once per octave. No kernel
+# accumulates into its outputs, so the tuner's repeated launches need no reset.
+_KEY = ["T_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC"]
+_CROSS_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC"]
+# name -> (raw kernel, autotuned kernel, the block that counts the programs)
+_KERNELS = {
+    "fwd": (_fwd_kernel, _tuned(_fwd_kernel, "fwd", _KEY), "BLOCK_M"),
+    "dq": (_bwd_dq_kernel, _tuned(_bwd_dq_kernel, "dq", _KEY), "BLOCK_M"),
+    "dkv": (_bwd_dkv_kernel, _tuned(_bwd_dkv_kernel, "dkv", _KEY), "BLOCK_N"),
+    "cross_fwd": (_cross_fwd_kernel, _tuned(_cross_fwd_kernel, "cross_fwd", _CROSS_KEY), "BLOCK_M"),
+    "cross_dq": (_cross_bwd_dq_kernel, _tuned(_cross_bwd_dq_kernel, "cross_dq", _CROSS_KEY), "BLOCK_M"),
+    "cross_dkv": (_cross_bwd_dkv_kernel, _tuned(_cross_bwd_dkv_kernel, "cross_dkv", _CROSS_KEY), "BLOCK_N"),
+}
+
+
+def _check_tile(tile: Tile, where: str) -> None:
+    for name, n in (("block_m", tile.block_m), ("block_n", tile.block_n)):
+        if not MIN_TILE <= n <= MAX_TILE or n & (n - 1):
+            raise ValueError(f"{where}: {name} must be a power of 2 in [{MIN_TILE}, {MAX_TILE}], got {n}")
+
+
+TileSpec = Tile | tuple[int, ...]
+
+
+def _resolve_tiles(block_size: int | None, tiles: Mapping[str, TileSpec] | None) -> dict[str, Tile]:
+    """Pinned tiles per kernel name: block_size square tiles everywhere, then `tiles` per kernel."""
+    out: dict[str, Tile] = {}
+    if block_size is not None:
+        if block_size < MIN_TILE or block_size > MAX_TILE or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of 2 in [{MIN_TILE}, {MAX_TILE}], got {block_size}")
+        out = {name: Tile(block_size, block_size) for name in KERNEL_NAMES}
+    for name, spec in (tiles or {}).items():
+        if name not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {name!r} in tiles; expected some of {KERNEL_NAMES}")
+        tile = Tile(*spec)
+        _check_tile(tile, f"tiles[{name!r}]")
+        out[name] = tile
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
-# host side
+# host side: field levels and routing
 # ----------------------------------------------------------------------------------------------------
 
 _LN2 = math.log(2.0)
+
+
+def n_levels(t: int) -> int:
+    """Levels the kernels index: every highest differing bit of two positions < t, and every near-tile level."""
+    return max((t - 1).bit_length(), _levels_below(Tile(MAX_TILE, MAX_TILE)))
+
+
+def field_levels(phi: torch.Tensor, nlev: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(PRE, SUF), each (N, nlev, T) float32, from phi (N, T): PRE[:, h, t] = min of phi from the start of
+    t's aligned 2^h segment to t, SUF[:, h, t] = min of phi from t to the end of that segment."""
+    n, t = phi.shape
+    pre = phi.new_empty((n, nlev, t))
+    suf = phi.new_empty((n, nlev, t))
+    for h in range(nlev):
+        seg = min(1 << h, t)
+        padded = -(-t // seg) * seg
+        x = F.pad(phi, (0, padded - t), value=math.inf).view(n, padded // seg, seg)
+        pre[:, h] = x.cummin(-1).values.view(n, padded)[:, :t]
+        suf[:, h] = x.flip(-1).cummin(-1).values.flip(-1).view(n, padded)[:, :t]
+    return pre, suf
+
+
+def route_levels(
+    phi: torch.Tensor, pre: torch.Tensor, suf: torch.Tensor, row_r: torch.Tensor, col_r: torch.Tensor
+) -> torch.Tensor:
+    """sum over levels h of ROWR[h, i] sent to the lowest argmin of PRE[h, i] and COLR[h, j] to that of
+    SUF[h, j], as an (N, T) float32 field gradient.
+
+    In each aligned segment the prefix argmin only moves forward and changes at a strict new minimum (a
+    head); the suffix argmin of j is the first t >= j with SUF == phi_t (a tail). So the rows that route
+    to a head form the run up to the next head, the columns that route to a tail the run after the previous
+    tail: run sums from a float64 cumsum, no scatter and no atomics."""
+    n, nlev, t = pre.shape
+    idx = torch.arange(t, device=phi.device)
+    starts = (idx[None, :] & ((1 << torch.arange(nlev, device=phi.device))[:, None] - 1)) == 0  # (nlev, T)
+    prev = F.pad(pre[..., :-1], (1, 0), value=math.inf)
+    head = starts | (pre < prev)
+    cs = F.pad(row_r.double().cumsum(-1), (1, 0))  # cs[k] = sum of the first k
+    next_head = torch.where(head, idx, t).flip(-1).cummin(-1).values.flip(-1)  # first head >= t
+    next_head = F.pad(next_head[..., 1:], (0, 1), value=t)  # first head > t
+    out = torch.where(head, cs.gather(-1, next_head) - cs[..., :-1], 0.0)
+    tail = suf == phi[:, None, :]
+    cc = F.pad(col_r.double().cumsum(-1), (1, 0))
+    last_tail = torch.where(tail, idx, -1).cummax(-1).values  # last tail <= t
+    last_tail = F.pad(last_tail[..., :-1], (1, 0), value=-1)  # last tail < t
+    out += torch.where(tail, cc[..., 1:] - cc.gather(-1, last_tail + 1), 0.0)
+    return out.sum(1).float()
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -782,34 +857,50 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class _Launch:
-    """Per-call constants shared by the kernels of one op."""
+_FP32_PRECISIONS = ("tf32", "ieee")
+# fp32 inputs on GPU: TF32 tensor-core dots unless a call (or FPA_FP32_PRECISION=ieee) asks for IEEE fp32.
+FP32_PRECISION = os.environ.get("FPA_FP32_PRECISION", "tf32")
 
-    def __init__(self, q: torch.Tensor, kind: str, scale: float, block_size: int | None):
+
+class _Launch:
+    """Per-call constants shared by the kernels of one op, and the pinned tiles (if any)."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kind: str,
+        scale: float,
+        tiles: dict[str, Tile],
+        fp32_precision: str | None = None,
+    ):
+        fp32_precision = fp32_precision or FP32_PRECISION
+        if fp32_precision not in _FP32_PRECISIONS:
+            raise ValueError(f"fp32_precision must be one of {_FP32_PRECISIONS}, got {fp32_precision!r}")
         self.B, self.H, self.T, self.D = q.shape
         self.kind_id = _KIND_ID[kind]
         self.scale = scale
-        self.block_size = block_size
+        self.tiles = tiles
         self.head_dim = max(16, triton.next_power_of_2(self.D))  # tl.dot needs >= 16
-        # Low-precision tensor-core dots on GPU; the interpreter (and fp32 inputs) compute in fp32.
+        # Low-precision tensor-core dots on GPU; the interpreter computes everything in fp32.
         self.lowp = q.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
-        self.meta = {
-            "KIND": self.kind_id,
-            "HEAD_DIM": self.head_dim,
-            "LOWP": self.lowp,
-            "DOT_PREC": "tf32" if self.lowp else "ieee",
-        }
+        prec = "ieee" if _INTERPRET else ("tf32" if self.lowp else fp32_precision)
+        self.meta = {"KIND": self.kind_id, "HEAD_DIM": self.head_dim, "LOWP": self.lowp, "DOT_PREC": prec}
 
-    def run(self, tuned, raw, *args, length: int | None = None) -> None:
-        """Launch one program per BLOCK of `length` rows (default T) and per batch and head."""
-        n = self.T if length is None else length
-        if self.block_size is None:
-            grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]), self.B * self.H)  # noqa: E731
+    def run(self, name: str, *args, length: int) -> None:
+        """Launch kernel `name` with one program per tile of `length` rows or columns and per (b, h)."""
+        raw, tuned, counted = _KERNELS[name]
+        tile = self.tiles.get(name)
+        if tile is None:
+            grid = lambda meta: (triton.cdiv(length, meta[counted]), self.B * self.H)  # noqa: E731
             tuned[grid](*args, **self.meta)
         else:
-            grid = (triton.cdiv(n, self.block_size), self.B * self.H)
-            levels = {"LOG_B": self.block_size.bit_length() - 1} if "LOG_B" in raw.arg_names else {}
-            raw[grid](*args, BLOCK=self.block_size, **levels, num_warps=4, num_stages=2, **self.meta)
+            meta = _meta(tile, raw)
+            grid = (triton.cdiv(length, meta[counted]), self.B * self.H)
+            raw[grid](*args, **meta, num_warps=tile.num_warps, num_stages=tile.num_stages, **self.meta)
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
 
 
 def _forward(
@@ -822,13 +913,16 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in out_dtype (default q's), base-2 lse in float32) of the causal op."""
     B, H, T, D = q.shape
+    nlev = n_levels(T)
+    pre, suf = field_levels(phi32.view(B * H, T), nlev) if lc.kind_id == 0 else (phi32, phi32)
     o = torch.empty((B, H, T, D), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     lc.run(
-        _fwd_tuned, _fwd_kernel,
-        q, k, v, phi32, o, lse,
+        "fwd",
+        q, k, v, phi32, pre, suf, o, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        H, T, D, lc.scale * _LOG2E.value,
+        H, T, D, nlev, _bucket(T), lc.scale * _LOG2E.value,
+        length=T,
     )  # fmt: skip
     return o, lse
 
@@ -864,32 +958,38 @@ def _backward(
     B, H, T, D = q.shape
     if delta is None:
         delta = _delta_of(o, do, lc)
+    f32 = {"dtype": torch.float32, "device": q.device}
     dq = torch.empty((B, H, T, D), dtype=grad_dtype or q.dtype, device=q.device)
     dk = torch.empty((B, H, T, D), dtype=grad_dtype or k.dtype, device=q.device)
     dv = torch.empty((B, H, T, D), dtype=grad_dtype or v.dtype, device=q.device)
-    # dphi_q / dphi_k: every position is stored by the program that owns it; dphi_m takes atomic adds.
-    dphi_q = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    dphi_k = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    dphi_m = torch.zeros((B, H, T), dtype=torch.float32, device=q.device)
-    common = (H, T, D, lc.scale * _LOG2E.value, lc.scale)
+    is_fpa = lc.kind_id == 0
+    nlev = n_levels(T)
+    phi_n = phi32.view(B * H, T)
+    pre, suf = field_levels(phi_n, nlev) if is_fpa else (phi32, phi32)
+    # fpa: level sums, zero where a level has no pairs (only visited levels are stored); fox: row sums.
+    row_r = torch.zeros((B * H, nlev, T), **f32) if is_fpa else torch.empty((B, H, T), **f32)
+    col_r = torch.zeros((B * H, nlev, T), **f32) if is_fpa else row_r
+    dcol = torch.empty((B, H, T), **f32)
+    common = (H, T, D, nlev, _bucket(T), lc.scale * _LOG2E.value, lc.scale)
     lc.run(
-        _bwd_dq_tuned, _bwd_dq_kernel,
-        q, k, v, phi32, do, lse, delta, dq, dphi_q, dphi_m,
+        "dq",
+        q, k, v, phi32, pre, suf, do, lse, delta, dq, row_r, row_r,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *common,
+        length=T,
     )  # fmt: skip
     lc.run(
-        _bwd_dkv_tuned, _bwd_dkv_kernel,
-        q, k, v, phi32, do, lse, delta, dk, dv, dphi_k,
+        "dkv",
+        q, k, v, phi32, pre, suf, do, lse, delta, dk, dv, dcol, col_r,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         *common,
+        length=T,
     )  # fmt: skip
     if lc.kind_id == _KIND_ID["softmax"]:
         return dq, dk, dv, None
-    dphi = dphi_q + dphi_k
-    if lc.kind_id == _KIND_ID["fpa"]:
-        dphi += dphi_m
-    return dq, dk, dv, dphi
+    if not is_fpa:  # fox: +phi_i for every pair, -phi_j
+        return dq, dk, dv, row_r - dcol
+    return dq, dk, dv, route_levels(phi_n, pre, suf, row_r, col_r).view(B, H, T) - dcol
 
 
 class _FPATritonFunction(torch.autograd.Function):
@@ -918,9 +1018,19 @@ def _check_runnable(q: torch.Tensor, what: str) -> None:
         )
 
 
-def _check_block_size(block_size: int | None) -> None:
-    if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
-        raise ValueError(f"block_size must be a power of 2 >= 16, got {block_size}")
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the causal kernel cannot serve these inputs (None when it can): what impl="auto" falls back on."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return (
+            f"needs q, k, v of shape (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape[2] != q.shape[2]:
+        return f"needs Tq == Tk (training / prefill); got Tq={q.shape[2]}, Tk={k.shape[2]}"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"needs one dtype of fp32/bf16/fp16 for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}"
+    return None
 
 
 def fpa_attention_triton(
@@ -932,12 +1042,17 @@ def fpa_attention_triton(
     kind: str = "fpa",
     scale: float | None = None,
     block_size: int | None = None,
+    tiles: Mapping[str, TileSpec] | None = None,
+    fp32_precision: str | None = None,
 ) -> torch.Tensor:
     """Causal FPA / FoX / softmax attention with the Triton kernels (differentiable in q, k, v and phi).
 
     q, k, v: (B, H, T, D), same dtype (fp32, bf16 or fp16), D <= 128; phi: (B, H, T), the field at every
-    position (None only for kind="softmax"). Queries and keys cover the same T positions. block_size
-    (a power of 2 >= 16) pins the tile size instead of autotuning; tests use it to get several blocks.
+    position (None only for kind="softmax"). Queries and keys cover the same T positions.
+    Tiles are autotuned per kernel from GPU_TILES unless pinned: block_size (a power of 2 in [16, 128])
+    pins square tiles on every kernel, tiles={"fwd": (64, 32), "dq": (128, 64, 8, 2), ...} pins Tile
+    values per kernel. fp32_precision: "tf32" (tensor cores) or "ieee" for fp32 inputs on GPU; default
+    FP32_PRECISION (tf32 unless the environment sets FPA_FP32_PRECISION=ieee).
     Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this module loaded.
     """
     if kind not in KINDS:
@@ -969,9 +1084,9 @@ def fpa_attention_triton(
     if tuple(phi.shape) != (B, H, T):
         raise ValueError(f"phi must be (B, H, T) = {(B, H, T)}, got {tuple(phi.shape)}")
     _check_runnable(q, "fpa_attention_triton")
-    _check_block_size(block_size)
+    pinned = _resolve_tiles(block_size, tiles)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    lc = _Launch(q, kind, scale, block_size)
+    lc = _Launch(q, kind, scale, pinned, fp32_precision)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     return _FPATritonFunction.apply(q, k, v, phi, lc)
 
@@ -979,7 +1094,7 @@ def fpa_attention_triton(
 # ----------------------------------------------------------------------------------------------------
 # Block functions for the sequence-parallel ring: the signatures and return types of chunked.py's
 # fpa_cross_forward / fpa_diag_forward / fpa_cross_backward / fpa_diag_backward (see its docstring),
-# plus an optional block_size (a power of 2 >= 16; None autotunes). Natural-log lse in and out.
+# plus optional block_size / tiles (as fpa_attention_triton's; None autotunes). Natural-log lse in and out.
 # Any leading dims "..." (flattened to (N, 1) unless they are (B, H), so the ring's chunk views of
 # (B, H, T, D) tensors go in without a copy); q, k, v one dtype of fp32/bf16/fp16, k and v the same shape,
 # D <= 128. Outputs and gradients are float32, like the chunked blocks for these dtypes.
@@ -992,9 +1107,7 @@ def _as4d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 4 else x.reshape(-1, 1, *x.shape[-2:])
 
 
-def _check_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, block_size: int | None
-) -> None:
+def _check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
     if q.dim() < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
@@ -1011,7 +1124,6 @@ def _check_block(
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ValueError(f"empty block: Lq={q.shape[-2]}, Lk={k.shape[-2]}")
     _check_runnable(q, "the Triton attention blocks")
-    _check_block_size(block_size)
 
 
 def _scale_of(q: torch.Tensor, scale: float | None) -> float:
@@ -1071,21 +1183,23 @@ def fpa_cross_forward(
     kind: str,
     scale: float | None = None,
     block_size: int | None = None,
+    tiles: Mapping[str, TileSpec] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a query chunk against a strictly earlier key chunk (chunked.fpa_cross_forward)."""
-    _check_block(q, k, v, kind, block_size)
+    _check_block(q, k, v, kind)
     lead, lq, lk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
     q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
     fld = _cross_field(kind, phi_q, phi_k, m_between, lead, lq, lk, q.device)
-    lc = _Launch(q4, kind, _scale_of(q, scale), block_size)
+    lc = _Launch(q4, kind, _scale_of(q, scale), _resolve_tiles(block_size, tiles))
     B, H = q4.shape[:2]
     o = torch.empty((B, H, lq, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, lq), dtype=torch.float32, device=q.device)
     lc.run(
-        _cross_fwd_tuned, _cross_fwd_kernel,
+        "cross_fwd",
         q4, k4, v4, fld.row, fld.s_min, fld.phi_k, o, lse,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o),
-        H, lq, lk, d, lc.scale * _LOG2E.value,
+        H, lq, lk, d, _bucket(lq), _bucket(lk), lc.scale * _LOG2E.value,
+        length=lq,
     )  # fmt: skip
     return o.reshape(*lead, lq, d), lse.mul_(_LN2).reshape(*lead, lq)
 
@@ -1105,19 +1219,20 @@ def fpa_cross_backward(
     kind: str,
     scale: float | None = None,
     block_size: int | None = None,
+    tiles: Mapping[str, TileSpec] | None = None,
 ) -> CrossGrads:
     """Gradients of a cross block given the full rows' lse and out (or delta) (chunked.fpa_cross_backward).
 
     The kernels return ds sums per query row (where the row term min(P, M) wins) and per key column
     (all, and where S wins); chunked.route_cross_sums routes them to argP, argS and M (S wins ties
     against the row term, M wins ties against P), as it does for the chunked blocks."""
-    _check_block(q, k, v, kind, block_size)
+    _check_block(q, k, v, kind)
     lead, lq, lk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
     q4, k4, v4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(dout)
     B, H = q4.shape[:2]
     n = B * H
     fld = _cross_field(kind, phi_q, phi_k, m_between, lead, lq, lk, q.device)
-    lc = _Launch(q4, kind, _scale_of(q, scale), block_size)
+    lc = _Launch(q4, kind, _scale_of(q, scale), _resolve_tiles(block_size, tiles))
     lse2 = _vec32(lse, n, lq) * _LOG2E.value  # not in place: it may be the caller's tensor
     dlt = _vec32(resolve_delta(dout, out, delta), n, lq)
     f32 = {"dtype": torch.float32, "device": q.device}
@@ -1128,16 +1243,16 @@ def fpa_cross_backward(
     )
     drow = torch.zeros((n, lq), **f32)  # stored only for fpa / fox
     col_all, col_s = torch.zeros((n, lk), **f32), torch.zeros((n, lk), **f32)
-    common = (H, lq, lk, d, lc.scale * _LOG2E.value, lc.scale)
+    common = (H, lq, lk, d, _bucket(lq), _bucket(lk), lc.scale * _LOG2E.value, lc.scale)
     operands = (q4, k4, v4, fld.row, fld.s_min, fld.phi_k, do4, lse2, dlt)
     in_strides = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
     lc.run(
-        _cross_dq_tuned, _cross_bwd_dq_kernel,
+        "cross_dq",
         *operands, dq, drow, *in_strides, *_strides(dq), *common,
         length=lq,
     )  # fmt: skip
     lc.run(
-        _cross_dkv_tuned, _cross_bwd_dkv_kernel,
+        "cross_dkv",
         *operands, dk, dv, col_s, col_all, *in_strides, *_strides(dk), *_strides(dv), *common,
         length=lk,
     )  # fmt: skip
@@ -1155,8 +1270,8 @@ def fpa_cross_backward(
     )
 
 
-def _diag_inputs(q, k, v, phi, kind, block_size):
-    _check_block(q, k, v, kind, block_size)
+def _diag_inputs(q, k, v, phi, kind):
+    _check_block(q, k, v, kind)
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(
             f"the Triton diagonal block needs Lq == Lk (a whole chunk against itself); got Lq={q.shape[-2]}, "
@@ -1182,10 +1297,11 @@ def fpa_diag_forward(
     kind: str,
     scale: float | None = None,
     block_size: int | None = None,
+    tiles: Mapping[str, TileSpec] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a chunk against itself, causal, Lq == Lk (chunked.fpa_diag_forward): the causal op."""
-    q4, k4, v4, phi32 = _diag_inputs(q, k, v, phi, kind, block_size)
-    lc = _Launch(q4, kind, _scale_of(q, scale), block_size)
+    q4, k4, v4, phi32 = _diag_inputs(q, k, v, phi, kind)
+    lc = _Launch(q4, kind, _scale_of(q, scale), _resolve_tiles(block_size, tiles))
     o, lse2 = _forward(q4, k4, v4, phi32, lc, out_dtype=torch.float32)
     return o.reshape(q.shape), lse2.mul_(_LN2).reshape(q.shape[:-1])
 
@@ -1203,12 +1319,13 @@ def fpa_diag_backward(
     kind: str,
     scale: float | None = None,
     block_size: int | None = None,
+    tiles: Mapping[str, TileSpec] | None = None,
 ) -> DiagGrads:
     """Gradients of a causal diagonal block given the full rows' lse and out (or delta): the causal op's
     backward kernels fed with them (chunked.fpa_diag_backward)."""
-    q4, k4, v4, phi32 = _diag_inputs(q, k, v, phi, kind, block_size)
+    q4, k4, v4, phi32 = _diag_inputs(q, k, v, phi, kind)
     B, H, L = q4.shape[:3]
-    lc = _Launch(q4, kind, _scale_of(q, scale), block_size)
+    lc = _Launch(q4, kind, _scale_of(q, scale), _resolve_tiles(block_size, tiles))
     lse2 = (_vec32(lse, B * H, L) * _LOG2E.value).view(B, H, L)
     dlt = _vec32(resolve_delta(dout, out, delta), B * H, L).view(B, H, L)
     dq, dk, dv, dphi = _backward(
@@ -1222,10 +1339,14 @@ def fpa_diag_backward(
 
 
 __all__ = [
+    "GPU_TILES",
+    "KERNEL_NAMES",
     "MAX_HEAD_DIM",
+    "Tile",
     "fpa_attention_triton",
     "fpa_cross_backward",
     "fpa_cross_forward",
     "fpa_diag_backward",
     "fpa_diag_forward",
+    "unsupported_reason",
 ]

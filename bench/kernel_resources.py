@@ -1,0 +1,158 @@
+"""Registers, spills and shared memory of every Triton FPA kernel config, compiled for Hopper and Ampere
+without a GPU (Triton's bundled ptxas, then cuobjdump -res-usage on the cubin).
+
+    python bench/kernel_resources.py                  # every GPU_TILES entry, sm_90 + sm_80, head dim 64 + 128
+    python bench/kernel_resources.py --quick          # the first entry per kernel, head dim 64 (the test's mode)
+    python bench/kernel_resources.py --md docs/kernel_resources.md --json docs/results/kernel_resources.json
+
+Compiled with bf16 inputs and kind fpa (the heaviest: the near-tile levels); the ring's cross kernels write
+fp32 outputs as the ring does. A config with spill bytes > 0 should leave GPU_TILES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real; nothing is launched
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fpa_model.ops.fpa import triton_kernel as tk  # noqa: E402
+
+ARCHS = {"sm_90": 90, "sm_80": 80}
+LOWP_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+CROSS_FP32_OUT = {"O", "DQ", "DK", "DV"}
+INT_ARGS = {"H", "T", "D", "NLEV", "T_BUCKET", "LQ", "LK", "LQ_BUCKET", "LK_BUCKET"}
+
+
+def _signature(kernel, name: str, consts: dict) -> dict:
+    cross = name.startswith("cross")
+    sig = {}
+    for arg in kernel.arg_names:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in LOWP_PTRS and not (cross and arg in CROSS_FP32_OUT):
+            sig[arg] = "*bf16"
+        elif arg.endswith("scale"):
+            sig[arg] = "fp32"
+        elif arg in INT_ARGS or arg.startswith("stride"):
+            sig[arg] = "i32"
+        else:
+            sig[arg] = "*fp32"
+    return sig
+
+
+def _res_usage(cubin: bytes, workdir: Path) -> dict:
+    path = workdir / "k.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    text = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
+    if m is None:
+        raise RuntimeError(f"cannot read cuobjdump output: {text[-500:]}")
+    return {"registers": int(m[1]), "stack_bytes": int(m[2]), "static_shared": int(m[3])}
+
+
+def compile_one(name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Path) -> dict:
+    raw = tk._KERNELS[name][0]
+    consts = {"KIND": 0, "HEAD_DIM": head_dim, "LOWP": True, "DOT_PREC": "tf32", **tk._meta(tile, raw)}
+    src = ASTSource(
+        fn=raw,
+        signature=_signature(raw, name, consts),
+        constexprs={(raw.arg_names.index(k),): v for k, v in consts.items()},
+    )
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        src,
+        target=GPUTarget("cuda", ARCHS[arch], 32),
+        options={"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+    )
+    seconds = time.perf_counter() - t0
+    spills = re.findall(r"(\d+) bytes spill stores", kernel.asm.get("ptx", "") or "")
+    usage = _res_usage(kernel.asm["cubin"], workdir)
+    return {
+        "kernel": name,
+        "arch": arch,
+        "head_dim": head_dim,
+        "tile": f"{tile.block_m}x{tile.block_n}",
+        "num_warps": tile.num_warps,
+        "num_stages": tile.num_stages,
+        **usage,
+        # Stack frames in these kernels are register spills (no local arrays, no recursion).
+        "spill_bytes": usage["stack_bytes"],
+        "shared_bytes": int(kernel.metadata.shared),
+        "compile_s": round(seconds, 2),
+        "_ptx_spill_notes": spills,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="first tile per kernel, head dim 64")
+    ap.add_argument("--json", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--md", type=Path, help="write a markdown table here")
+    args = ap.parse_args(argv)
+    head_dims = [64] if args.quick else [64, 128]
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"fpa_res_{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in tk.KERNEL_NAMES:
+        tiles = tk.GPU_TILES[name][:1] if args.quick else tk.GPU_TILES[name]
+        for tile in tiles:
+            for arch in ARCHS:
+                for d in head_dims:
+                    row = compile_one(name, tile, arch, d, workdir)
+                    row.pop("_ptx_spill_notes")
+                    rows.append(row)
+                    print(
+                        f"{name:10s} {row['tile']:>8s} w{tile.num_warps} s{tile.num_stages} {arch} d{d}: "
+                        f"{row['registers']} regs, spill {row['spill_bytes']} B, smem {row['shared_bytes']} B, "
+                        f"{row['compile_s']} s",
+                        flush=True,
+                    )
+    meta = {
+        "command": "python bench/kernel_resources.py" + (" --quick" if args.quick else ""),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "triton": triton.__version__,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    if args.md:
+        lines = [
+            "# Triton FPA kernels: registers, spills, shared memory per GPU config",
+            "",
+            f"Written by `{meta['command']} --md ...` at commit `{meta['commit'][:10]}` with Triton "
+            f"{meta['triton']} (bundled ptxas, no GPU): bf16 inputs, kind fpa, every entry of "
+            "`GPU_TILES`. Registers per thread (the limit is 255), spill = local-memory stack bytes per "
+            "thread, shared = dynamic shared memory per program.",
+            "",
+            "| kernel | tile (M x N) | warps | stages | arch | head dim | registers | spill B | shared B |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['kernel']} | {r['tile']} | {r['num_warps']} | {r['num_stages']} | {r['arch']} | "
+            f"{r['head_dim']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"
+            for r in rows
+        ]
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text("\n".join(lines) + "\n")
+    bad = [r for r in rows if r["spill_bytes"] > 0]
+    print(f"{len(rows)} configs compiled, {len(bad)} spill")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
