@@ -3,6 +3,11 @@
 ZeRO-partitioned checkpoints are consolidated with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint
 (the fp32 master weights, not the bf16 copies); a ZeRO-0 checkpoint's module state is taken as is.
 `load_exported` rebuilds the GPT from the export alone: no DeepSpeed, no process group.
+
+Nothing here runs code from a file: checkpoint files are verified (checksums, weights_only unpickling
+with an allowlist: pipeline.checkpoint) before anything reads them, DeepSpeed's consolidation runs with
+torch.load forced to weights_only, and an export carries checksums.json, checked by `load_exported`
+together with the weights being finite (a corrupted export is an error, not a NaN perplexity).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from fpa_model.config import ModelConfig
 from fpa_model.model import GPT
+from pipeline import checkpoint as ckpt_lib
 from pipeline.atomic import atomic_write, atomic_write_text
 from pipeline.config import RunConfig, from_yaml_text, to_yaml
 
@@ -36,7 +42,7 @@ def _client_state(checkpoint_dir: Path) -> dict[str, Any]:
     )
     if not files:
         raise ExportError(f"{checkpoint_dir} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
-    return torch.load(files[0], map_location="cpu", weights_only=False)
+    return ckpt_lib.safe_load(files[0])
 
 
 def consolidated_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -49,18 +55,19 @@ def consolidated_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     elif any(checkpoint_dir.glob("*zero_pp_rank_*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
+        with ckpt_lib.weights_only_loads():  # zero_to_fp32 calls torch.load(weights_only=False)
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
     else:
         sd = _client_state(checkpoint_dir)["module"]
     return {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
 
 
 def _fp32_from_universal(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    from pipeline.checkpoint import COMPLETE, convert_to_universal, universal_dir
+    from pipeline.checkpoint import COMPLETE, checksum_problem, convert_to_universal, universal_dir
 
     udir = universal_dir(checkpoint_dir)
     tmp = None
-    if not (udir / COMPLETE).is_file():  # not made by a resume: convert into a temporary dir
+    if not (udir / COMPLETE).is_file() or checksum_problem(udir):  # none intact: convert into a temp dir
         tmp = Path(tempfile.mkdtemp(prefix=".export-universal-", dir=checkpoint_dir.parent))
         udir = convert_to_universal(checkpoint_dir, tmp / "u")
     try:
@@ -68,7 +75,7 @@ def _fp32_from_universal(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         for d in sorted((udir / "zero").iterdir()):
             f = d / "fp32.pt"
             if f.is_file():
-                out[d.name] = torch.load(f, map_location="cpu", weights_only=False)["param"]
+                out[d.name] = ckpt_lib.safe_load(f)["param"]
         return out
     finally:
         if tmp is not None:
@@ -84,6 +91,10 @@ def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> P
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not checkpoint_dir.is_dir():
         raise ExportError(f"checkpoint directory not found: {checkpoint_dir}")
+    # Before anything reads it: code in a file raises UnsafeCheckpointError, damage is named here.
+    problem = ckpt_lib.verify_files(checkpoint_dir)
+    if problem:
+        raise ExportError(f"cannot export {checkpoint_dir}: {problem}")
     client = _client_state(checkpoint_dir)
     if client.get("config_yaml"):
         cfg = _config_from_checkpoint(client["config_yaml"], cfg, checkpoint_dir)
@@ -105,6 +116,7 @@ def export(cfg: RunConfig, checkpoint_dir: str | Path, out_dir: str | Path) -> P
     meta = {"step": str(client.get("step", "")), "source": str(checkpoint_dir)}
     atomic_write(out_dir / WEIGHTS, lambda p: save_file(sd, str(p), metadata=meta))
     atomic_write_text(out_dir / CONFIG, to_yaml(cfg))
+    ckpt_lib.write_checksums(out_dir, [WEIGHTS, CONFIG])
     return out_dir
 
 
@@ -132,9 +144,18 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu") -> GPT:
     for f in (weights, config):
         if not f.is_file():
             raise ExportError(f"export is missing {f}")
+    problem = ckpt_lib.checksum_problem(folder)  # exports older than checksums.json: none to check
+    if problem:
+        raise ExportError(f"export {folder}: {problem}")
     cfg = from_yaml_text(config.read_text())
     model = GPT(cfg.model)
-    sd = load_file(str(weights), device="cpu")
+    try:
+        sd = load_file(str(weights), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ExportError(f"{weights} is unreadable ({str(e).splitlines()[0][:200]})") from None
+    bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ExportError(f"{weights} holds non-finite weights ({', '.join(sorted(bad)[:3])})")
     if cfg.model.tie_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
     try:

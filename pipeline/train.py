@@ -472,7 +472,9 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
         run_dir.mkdir(parents=True, exist_ok=True)
 
     # Resume point, decided before the engine exists: a different world size needs load_universal.
-    resume_dir = ckpt_lib.resolve_resume(tc.checkpoint.resume, root)
+    # The plan verifies it (checksums, no code) and moves aside what a new history would collide with.
+    plan = ckpt_lib.choose_resume(tc.checkpoint.resume, root)
+    resume_dir = plan.checkpoint
     meta = ckpt_lib.read_meta(resume_dir) if resume_dir else None
     universal = bool(meta and meta["world_size"] != info.world_size and tc.zero_stage > 0)
     if resume_dir is not None and universal:
@@ -559,10 +561,13 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
             "world_size": info.world_size,
             "loader_state": loader.state_dict(),
             "universal_checkpoint_info": {},
+            "lineage": plan.lineage,
         }
         rank_state = {"rng": ckpt_lib.rng_state(), "loader": loader.state_dict()}
         client["wandb_run_id"] = dist_utils.broadcast_object(client["wandb_run_id"])
-        return ckpt_lib.save(engine, root, step, client, rank_state, tc.checkpoint.keep_last)
+        return ckpt_lib.save(
+            engine, root, step, client, rank_state, tc.checkpoint.keep_last, lineage=plan.lineage
+        )
 
     try:
         while step < tc.max_steps:
