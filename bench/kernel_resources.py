@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of every Triton FPA kernel config, compiled for Hopper and Ampere
 without a GPU (Triton's bundled ptxas, then cuobjdump -res-usage on the cubin).
 
-    python bench/kernel_resources.py                  # every GPU_TILES entry, sm_90 + sm_80, head dim 64 + 128
-    python bench/kernel_resources.py --quick          # the first entry per kernel, head dim 64 (the test's mode)
+    python bench/kernel_resources.py           # every GPU_TILES_BY_DIM entry, sm_90 + sm_80, at its head dim
+    python bench/kernel_resources.py --quick   # the first entry per kernel, head dim 64 (the test's mode)
     python bench/kernel_resources.py --md docs/kernel_resources.md --json docs/results/kernel_resources.json
 
 Compiled with bf16 inputs and kind fpa (the heaviest: the near-tile levels); the ring's cross kernels write
@@ -57,7 +57,9 @@ def _res_usage(cubin: bytes, workdir: Path) -> dict:
     path = workdir / "k.cubin"
     path.write_bytes(cubin)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    text = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
     if m is None:
         raise RuntimeError(f"cannot read cuobjdump output: {text[-500:]}")
@@ -108,17 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in tk.KERNEL_NAMES:
-        tiles = tk.GPU_TILES[name][:1] if args.quick else tk.GPU_TILES[name]
-        for tile in tiles:
-            for arch in ARCHS:
-                for d in head_dims:
+        for d in head_dims:
+            tiles = tk.GPU_TILES_BY_DIM[name][d]
+            for tile in tiles[:1] if args.quick else tiles:
+                for arch in ARCHS:
                     row = compile_one(name, tile, arch, d, workdir)
                     row.pop("_ptx_spill_notes")
                     rows.append(row)
                     print(
                         f"{name:10s} {row['tile']:>8s} w{tile.num_warps} s{tile.num_stages} {arch} d{d}: "
-                        f"{row['registers']} regs, spill {row['spill_bytes']} B, smem {row['shared_bytes']} B, "
-                        f"{row['compile_s']} s",
+                        f"{row['registers']} regs, spill {row['spill_bytes']} B, "
+                        f"smem {row['shared_bytes']} B, {row['compile_s']} s",
                         flush=True,
                     )
     meta = {
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Written by `{meta['command']} --md ...` at commit `{meta['commit'][:10]}` with Triton "
             f"{meta['triton']} (bundled ptxas, no GPU): bf16 inputs, kind fpa, every entry of "
             "`GPU_TILES`. Registers per thread (the limit is 255), spill = local-memory stack bytes per "
-            "thread, shared = dynamic shared memory per program.",
+            "thread, shared = dynamic shared memory per program. Each list entry is compiled at the head dim "
+            "whose list holds it (64: D <= 64, 128: D <= 128).",
             "",
             "| kernel | tile (M x N) | warps | stages | arch | head dim | registers | spill B | shared B |",
             "|---|---|---|---|---|---|---|---|---|",

@@ -391,7 +391,7 @@ def test_tie_rule_matches_chunked_path():
 @pytest.mark.slow
 def test_bf16_large_field_keeps_precision():
     """bf16 inputs with a field near 1e4 (fp32 inside the kernel): the kernel tracks a float64 oracle on
-    the same values; min - phi_j cancels two numbers near 1e4, so a bf16 field would be off by whole logits."""
+    the same values; min - phi_j cancels two numbers near 1e4 (a bf16 field: off by whole logits)."""
     b, h, t, d = 1, 1, 512, 16
     g = torch.Generator().manual_seed(1)
     q, k, v, do = (torch.randn(b, h, t, d, generator=g).bfloat16().to(DEVICE) for _ in range(4))

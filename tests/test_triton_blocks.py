@@ -151,11 +151,13 @@ def test_blocks_on_strided_views_and_other_leading_dims() -> None:
     assert_close("lse 3-d", lse3, rlse3)
 
 
-MISMATCHED = [
-    {"cross_fwd": tk.GPU_TILES["cross_fwd"][i % 4], "cross_dq": tk.GPU_TILES["cross_dq"][i % 3],
-     "cross_dkv": tk.GPU_TILES["cross_dkv"][(i + 1) % 3], "fwd": (16, 64), "dq": (64, 16), "dkv": (32, 16)}
-    for i in range(2)
-]  # fmt: skip
+def _mismatched(i: int) -> dict:
+    lists = {n: tk.GPU_TILES[n] for n in ("cross_fwd", "cross_dq", "cross_dkv")}
+    pick = {n: tiles[(i + j) % len(tiles)] for j, (n, tiles) in enumerate(lists.items())}
+    return {**pick, "fwd": (16, 64), "dq": (64, 16), "dkv": (32, 16)}
+
+
+MISMATCHED = [_mismatched(i) for i in range(2)]
 
 
 @pytest.mark.parametrize("tiles", MISMATCHED, ids=["gpu0", "gpu1"])

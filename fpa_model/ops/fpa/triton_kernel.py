@@ -108,7 +108,7 @@ def _near_field(
             sb = suf[None, :]
         at = lvl == h
         rmin = tl.where(at, tl.minimum(pb, sb), rmin)
-        if KEYS_ON_ROWS:
+        if KEYS_ON_ROWS:  # noqa: SIM108 (a constexpr branch)
             mine = tl.where(at, sb <= pb, mine)
         else:
             mine = tl.where(at, pb < sb, mine)
@@ -719,18 +719,24 @@ class Tile(NamedTuple):
     num_stages: int = 2
 
 
-# The GPU autotune lists (Hopper / Ampere). 64- and 128-row tiles on the side that is the MMA's M (queries
-# in fwd / dq, keys in dk/dv) so Hopper's warpgroup MMA applies. docs/kernel_resources.md has the registers,
-# spills and shared memory of every entry compiled for sm_90 and sm_80 (bench/kernel_resources.py); none
-# spills. The routing does not depend on the tiles, so each kernel may pick any entry of its list.
-GPU_TILES: dict[str, list[Tile]] = {
-    "fwd": [Tile(64, 64, 4, 3), Tile(128, 64, 8, 3), Tile(128, 32, 4, 3), Tile(64, 32, 4, 3)],
-    "dq": [Tile(64, 64, 4, 2), Tile(128, 64, 8, 2), Tile(64, 32, 4, 2)],
-    "dkv": [Tile(64, 64, 4, 2), Tile(64, 128, 8, 2), Tile(32, 64, 4, 2)],
+# The GPU autotune lists (Hopper / Ampere), per head-dim bucket (64: D <= 64, 128: D <= 128). 64- and
+# 128-row tiles on the side that is the MMA's M (queries in fwd / dq, keys in dk/dv) so Hopper's warpgroup
+# MMA applies. docs/kernel_resources.md has the registers, spills and shared memory of every entry compiled
+# for sm_90 and sm_80 (bench/kernel_resources.py): the D <= 64 lists spill nowhere; at D = 128 every
+# backward tile tried spills (the listed ones least), see that file. The routing does not depend on the
+# tiles, so each kernel may pick any entry of its list.
+GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
+    "fwd": {64: [Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(64, 32, 4, 3)], 128: [Tile(64, 32, 4, 3)]},
+    "dq": {64: [Tile(64, 32, 4, 2), Tile(128, 32, 8, 2), Tile(64, 16, 4, 2)], 128: [Tile(64, 16, 4, 2)]},
+    "dkv": {64: [Tile(16, 64, 4, 2), Tile(16, 128, 8, 2)], 128: [Tile(16, 64, 4, 2)]},
 }
-GPU_TILES["cross_fwd"] = GPU_TILES["fwd"]
-GPU_TILES["cross_dq"] = GPU_TILES["dq"]
-GPU_TILES["cross_dkv"] = GPU_TILES["dkv"]
+for _name in ("fwd", "dq", "dkv"):
+    GPU_TILES_BY_DIM["cross_" + _name] = GPU_TILES_BY_DIM[_name]
+# Every tile a kernel's autotuner may try (the union over head dims).
+GPU_TILES: dict[str, list[Tile]] = {
+    name: list(dict.fromkeys(t for tiles in by_dim.values() for t in tiles))
+    for name, by_dim in GPU_TILES_BY_DIM.items()
+}
 # Multi-config autotune fails under the interpreter: one config per kernel there.
 _INTERPRET_TILES = {name: [Tile(32, 32, 4, 1)] for name in GPU_TILES}
 KERNEL_NAMES = tuple(GPU_TILES)
@@ -749,10 +755,32 @@ def _meta(tile: Tile, kernel) -> dict:
     return meta
 
 
+def _dim_bucket(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128
+
+
 def _tuned(kernel, name: str, key: list[str]):
     tiles = _INTERPRET_TILES[name] if _INTERPRET else GPU_TILES[name]
     configs = [triton.Config(_meta(t, kernel), num_warps=t.num_warps, num_stages=t.num_stages) for t in tiles]
-    return triton.autotune(configs=configs, key=key)(kernel)
+    by_dim = GPU_TILES_BY_DIM[name]
+
+    def prune(configs, named_args, **kwargs):
+        """Only the head dim's own list: the other bucket's tiles spill or waste registers here."""
+        keep = by_dim[_dim_bucket(kwargs["HEAD_DIM"])]
+        chosen = [c for c in configs if Tile(**_tile_of(c)) in keep]
+        return chosen or configs
+
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+def _tile_of(config: triton.Config) -> dict:
+    kw = config.kwargs
+    return {
+        "block_m": kw["BLOCK_M"],
+        "block_n": kw["BLOCK_N"],
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
 
 
 # Lengths enter the key as powers of 2, so an eval sweep over lengths tunes once per octave. No kernel
@@ -1340,6 +1368,7 @@ def fpa_diag_backward(
 
 __all__ = [
     "GPU_TILES",
+    "GPU_TILES_BY_DIM",
     "KERNEL_NAMES",
     "MAX_HEAD_DIM",
     "Tile",
