@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -175,6 +178,52 @@ class RunDir:
             self.write_manifest(m)
             root.removeHandler(handler)
             handler.close()
+
+
+class RunDirBusy(RuntimeError):
+    """Another process holds the run dir's lock (its pid and host are in the message)."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, name: str = "train") -> Iterator[None]:
+    """Hold an exclusive flock on <run_dir>/<name>.lock while the body runs: a second holder fails at
+    once (RunDirBusy) naming the first's pid and host instead of both writing one run dir.
+
+    The kernel drops the lock when its process dies, so a SIGKILLed trainer leaves none behind; the file
+    stays, holding the last holder's details. flock is per node on some network file systems: two
+    trainers on different nodes may both get it there (one job per run dir is the rule under Slurm).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"{name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            who = (
+                f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
+                f"since {holder.get('since', '?')}"
+                if holder
+                else "a process that has not written its details yet"
+            )
+            raise RunDirBusy(
+                f"{run_dir} is in use by another {name} ({who}; lock {path}): wait for it to finish or stop "
+                f"it, or use another run name"
+            ) from None
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def hash_outputs(run: RunDir, paths: list[Path]) -> dict[str, str]:

@@ -12,6 +12,8 @@ What it guarantees:
   torchrun dies of SIGUSR1 by default: either signal the workers directly with torchrun ignoring USR1
   (Slurm --signal=USR1@N without B: reaches every process), or start it with
   `--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout <save time>` to forward it.
+  SIGINT (Ctrl-C) saves and exits 75 the same way but is not requeued; a second Ctrl-C aborts at once.
+- one trainer per run dir: rank 0 holds an exclusive lock on <run_dir>/train.lock (pipeline.rundir).
 - non-finite losses are never silent: every rank agrees before backward, then the step is skipped (no
   optimizer update, counted) or training stops with an error (train.nan_policy).
 - the learning rate is a pure function of the step (warmup + cosine), so it needs no scheduler state.
@@ -280,19 +282,21 @@ class _Batches:
 
 
 class _StopFlag:
-    """SIGTERM / SIGUSR1 set a flag; the loop checks it (across ranks) at step boundaries."""
+    """SIGTERM / SIGUSR1 / SIGINT set a flag; the loop checks it (across ranks) at step boundaries."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             # Outside the main thread (an embedding app) signals cannot be caught: no preemption handling.
             with contextlib.suppress(ValueError):
                 self._old[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, _frame: Any) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:  # Ctrl-C twice: stop without saving
+            signal.default_int_handler(signum, frame)
         self.signum = signum
 
     def restore(self) -> None:
@@ -442,12 +446,36 @@ def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+@contextlib.contextmanager
+def _exclusive_run_dir(run_dir: Path, is_main: bool) -> Iterator[None]:
+    """Rank 0 holds the run dir's lock for the whole run; every rank fails at once if another has it."""
+    from pipeline.rundir import RunDirBusy, run_lock
+
+    with contextlib.ExitStack() as stack:
+        err = None
+        if is_main:
+            try:
+                stack.enter_context(run_lock(run_dir))
+            except RunDirBusy as e:
+                err = str(e)
+        err = dist_utils.broadcast_object(err)
+        if err:
+            raise TrainingError(err)
+        yield
+
+
 def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str, Any]:
     """Train on every rank; return {final_loss, val_loss, steps, tokens, checkpoint, ...} (same on all ranks).
 
     make_loader(cfg, split, dp_rank, dp_world) builds a loader (default: data_prep.loader.ShardLoader)
     with state_dict()/load_state_dict() for exact resume.
     """
+    info = dist_utils.init_distributed(cfg.parallel.backend)
+    with _exclusive_run_dir(cfg.run_dir, info.is_main):
+        return _train(cfg, make_loader)
+
+
+def _train(cfg: RunConfig, make_loader: LoaderFactory | None) -> dict[str, Any]:
     import deepspeed
 
     make_loader = make_loader or default_loader
@@ -507,9 +535,13 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
 
     step, tokens_seen, skipped, run_id, loader_state = 0, 0, 0, None, None
+    last_loss, val_loss, last_pk_loss = float("nan"), None, None
     if resume_dir is not None:
         client = ckpt_lib.load(engine, resume_dir, universal)
         step = int(client["step"])
+        # A run resumed at its end trains no step: its summary keeps the losses it ended with.
+        last_loss = float("nan") if client.get("last_loss") is None else float(client["last_loss"])
+        val_loss, last_pk_loss = client.get("val_loss"), client.get("passkey_loss")
         tokens_seen = int(client.get("tokens_seen", 0))
         skipped = int(client.get("skipped_steps", 0))
         run_id = client.get("wandb_run_id")
@@ -535,7 +567,6 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     batches = _Batches(loader)
     pk_start = max(0, tc.max_steps - tc.passkey.steps)  # the passkey phase: steps [pk_start, max_steps)
     pk_batches = _PasskeyBatches(cfg, d, dp_rank) if tc.passkey.steps else None
-    last_pk_loss: float | None = None
     peak = tc.peak_flops_per_rank or measure_peak_flops(
         device, torch.bfloat16 if d.precision == "bf16" and device.type == "cuda" else torch.float32
     )
@@ -548,7 +579,6 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     stop.install()
     last_saved: Path | None = None
     last_saved_step = step if resume_dir is not None else -1
-    last_loss, val_loss = float("nan"), None
     window = _new_window()
 
     def save_now() -> Path:
@@ -561,6 +591,9 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
             "world_size": info.world_size,
             "loader_state": loader.state_dict(),
             "universal_checkpoint_info": {},
+            "last_loss": last_loss if math.isfinite(last_loss) else None,
+            "val_loss": val_loss,
+            "passkey_loss": last_pk_loss,
             "lineage": plan.lineage,
         }
         rank_state = {"rng": ckpt_lib.rng_state(), "loader": loader.state_dict()}
@@ -709,7 +742,8 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
                 logger.finish()
                 if info.is_main:
                     print(f"[train] preempted: checkpoint {last_saved} written, exiting", flush=True)
-                    requeue_slurm_job()
+                    if stop.signum != signal.SIGINT:  # Ctrl-C is a person stopping it: no requeue
+                        requeue_slurm_job()
                 dist_utils.barrier()
                 raise Preempted(step, last_saved)
         if last_saved_step != step:  # resumed at max_steps with nothing new: make sure a checkpoint exists
@@ -717,7 +751,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
         if last_saved is None:
             last_saved = ckpt_lib.find_latest(root)
         summary = {
-            "final_loss": last_loss,
+            "final_loss": last_loss if math.isfinite(last_loss) else None,
             "val_loss": val_loss,
             "passkey_loss": last_pk_loss,
             "steps": step,
