@@ -18,10 +18,13 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real; nothing is launched
+# A fresh cache, so the compile times are real (not cache hits); the caller's TRITON_CACHE_DIR wins.
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="fpa_triton_cache_"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402

@@ -357,8 +357,8 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     kernels = {row["kernel"] for row in rows}
     assert kernels == set(tk.KERNEL_NAMES), kernels
     assert {row["arch"] for row in rows} == {"sm_90", "sm_80"}
-    for row in rows:
-        assert row["registers"] > 0 and row["spill_bytes"] == 0, row
+    for row in rows:  # --quick compiles the head-dim-64 lists' first entries: none may spill
+        assert 0 < row["registers"] <= 255 and row["spill_bytes"] == 0, row
 
 
 def test_bench_skips_cleanly_without_cuda():

@@ -728,7 +728,7 @@ class Tile(NamedTuple):
 GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
     "fwd": {64: [Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(64, 32, 4, 3)], 128: [Tile(64, 32, 4, 3)]},
     "dq": {64: [Tile(64, 32, 4, 2), Tile(128, 32, 8, 2), Tile(64, 16, 4, 2)], 128: [Tile(64, 16, 4, 2)]},
-    "dkv": {64: [Tile(16, 64, 4, 2), Tile(16, 128, 8, 2)], 128: [Tile(16, 64, 4, 2)]},
+    "dkv": {64: [Tile(16, 64, 8, 2), Tile(16, 128, 8, 1), Tile(16, 64, 4, 1)], 128: [Tile(16, 64, 4, 2)]},
 }
 for _name in ("fwd", "dq", "dkv"):
     GPU_TILES_BY_DIM["cross_" + _name] = GPU_TILES_BY_DIM[_name]
