@@ -222,7 +222,9 @@ def checksum_problem(d: Path) -> str | None:
         return f"{f} is unreadable"
     for name, size, digest in items:
         p = d / name
-        if ".." in Path(name).parts or not p.is_file():
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # a file from elsewhere: never read it
+            return f"{d / CHECKSUMS} names {name}, outside the checkpoint"
+        if not p.is_file():
             return f"{p} is missing"
         actual = p.stat().st_size
         if actual < size:

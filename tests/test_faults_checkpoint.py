@@ -468,6 +468,22 @@ def test_save_keeps_other_lineages_and_the_checkpoint_just_written(tmp_path):
     assert not (root / "global_step10").exists() and (root / "latest").read_text() == "global_step6"
 
 
+def test_checksums_name_only_files_inside_the_checkpoint(tmp_path):
+    (tmp_path / "a.pt").write_bytes(b"abc")
+    ck.write_checksums(tmp_path)
+    assert ck.checksum_problem(tmp_path) is None
+    (tmp_path / "a.pt").write_bytes(b"abd")
+    assert (
+        ck.checksum_problem(tmp_path)
+        == f"{tmp_path / 'a.pt'} is corrupted (its sha256 differs from the one recorded at save)"
+    )
+    for name in ("/etc/hostname", "../a.pt"):
+        (tmp_path / ck.CHECKSUMS).write_text(json.dumps({"files": {name: {"sha256": "0", "bytes": 1}}}))
+        assert (
+            ck.checksum_problem(tmp_path) == f"{tmp_path / ck.CHECKSUMS} names {name}, outside the checkpoint"
+        )
+
+
 # ----------------------------------------------------------------------------------------------------
 # One trainer per run dir, SIGINT
 
