@@ -184,6 +184,9 @@ class RunDirBusy(RuntimeError):
     """Another process holds the run dir's lock (its pid and host are in the message)."""
 
 
+_held: dict[str, int] = {}  # lock files this process holds -> nesting depth
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: Path, name: str = "train") -> Iterator[None]:
     """Hold an exclusive flock on <run_dir>/<name>.lock while the body runs: a second holder fails at
@@ -192,9 +195,19 @@ def run_lock(run_dir: Path, name: str = "train") -> Iterator[None]:
     The kernel drops the lock when its process dies, so a SIGKILLed trainer leaves none behind; the file
     stays, holding the last holder's details. flock is per node on some network file systems: two
     trainers on different nodes may both get it there (one job per run dir is the rule under Slurm).
+    Re-entrant within a process (a stage wrapper and train() may both take it): flock is per open file,
+    so a second open in the same process would otherwise refuse its own holder.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / f"{name}.lock"
+    key = str(path.resolve())
+    if key in _held:
+        _held[key] += 1
+        try:
+            yield
+        finally:
+            _held[key] -= 1
+        return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -221,7 +234,11 @@ def run_lock(run_dir: Path, name: str = "train") -> Iterator[None]:
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
-        yield
+        _held[key] = 1
+        try:
+            yield
+        finally:
+            del _held[key]
     finally:
         os.close(fd)  # releases the lock
 

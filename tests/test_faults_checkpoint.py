@@ -509,6 +509,22 @@ def test_second_trainer_on_the_same_run_dir_fails_at_once(cfg_path, tmp_path):
     assert steps == list(range(1, 9))  # one writer
 
 
+def test_run_lock_is_reentrant_in_a_process_and_exclusive_across(tmp_path):
+    from pipeline.rundir import run_lock
+
+    code = "import sys; from pathlib import Path; from pipeline.rundir import run_lock\n"
+    code += "with run_lock(Path(sys.argv[1])): pass"
+    with run_lock(tmp_path), run_lock(tmp_path):  # a stage wrapper, then train() inside it
+        other = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO
+        )
+        assert f"RunDirBusy: {tmp_path} is in use by another train (pid {os.getpid()}" in other.stderr
+    with run_lock(tmp_path), run_lock(tmp_path / ".." / tmp_path.name):  # one lock however spelled
+        pass
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, cwd=REPO)
+    assert other.returncode == 0  # released on the way out
+
+
 def test_sigint_saves_and_exits_like_sigterm(cfg_path, base, tmp_path):
     marker = tmp_path / "requeued"
     over = [*TINY[:1], "train.checkpoint.every=100", f"runs_dir={tmp_path}"]
