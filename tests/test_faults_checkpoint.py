@@ -489,7 +489,7 @@ def test_checksums_name_only_files_inside_the_checkpoint(tmp_path):
 
 
 def test_second_trainer_on_the_same_run_dir_fails_at_once(cfg_path, tmp_path):
-    first = popen(cfg_path, [*TINY, f"runs_dir={tmp_path}"], {"FPA_TEST_LOADER_DELAY": "0.3"})
+    first = popen(cfg_path, [*TINY, f"runs_dir={tmp_path}"], {"FPA_TEST_LOADER_DELAY": "1.5"})
     try:
         wait_for(lambda: logged_step(tmp_path / "t", 1), first)
         t0 = time.time()
