@@ -173,28 +173,31 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     manifest and exports the final weights."""
     from pipeline.distributed import barrier, init_distributed
     from pipeline.export import export
-    from pipeline.train import train
+    from pipeline.train import exclusive_run_dir, train
 
     if not (cfg.data_dir / "index.json").is_file():
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
     info = init_distributed(cfg.parallel.backend)
-    run = RunDir(cfg)
-    inputs = train_inputs(cfg, info.world_size)
-    if _skip(run, "train", inputs, force):
-        return run.read_manifest("train").result  # type: ignore[union-attr]
-    if info.rank == 0 and cfg.train.checkpoint.resume == "auto":
-        _archive_stale_training(run, sha256_json(inputs))
-    barrier()
-    if info.rank != 0:
-        return train(cfg)
-    with run.stage("train", inputs) as m:
-        m.result = train(cfg)
-        ckpt = m.result.get("checkpoint")
-        if ckpt:
-            export(cfg, Path(ckpt), export_dir(cfg))
-            m.result["export"] = str(export_dir(cfg))
-            m.outputs = hash_outputs(run, [export_dir(cfg) / "model.safetensors"])
-    return m.result
+    # The run dir's lock before anything is written: a second trainer must not rewrite the manifest or
+    # config, nor archive the running trainer's checkpoints (train() takes the same lock, re-entrantly).
+    with exclusive_run_dir(cfg.run_dir, info.rank == 0):
+        run = RunDir(cfg)
+        inputs = train_inputs(cfg, info.world_size)
+        if _skip(run, "train", inputs, force):
+            return run.read_manifest("train").result  # type: ignore[union-attr]
+        if info.rank == 0 and cfg.train.checkpoint.resume == "auto":
+            _archive_stale_training(run, sha256_json(inputs))
+        barrier()
+        if info.rank != 0:
+            return train(cfg)
+        with run.stage("train", inputs) as m:
+            m.result = train(cfg)
+            ckpt = m.result.get("checkpoint")
+            if ckpt:
+                export(cfg, Path(ckpt), export_dir(cfg))
+                m.result["export"] = str(export_dir(cfg))
+                m.outputs = hash_outputs(run, [export_dir(cfg) / "model.safetensors"])
+        return m.result
 
 
 def run_eval(cfg: RunConfig, *, checkpoint: Path | None = None, force: bool = False) -> dict[str, Any]:

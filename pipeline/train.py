@@ -447,7 +447,7 @@ def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def _exclusive_run_dir(run_dir: Path, is_main: bool) -> Iterator[None]:
+def exclusive_run_dir(run_dir: Path, is_main: bool) -> Iterator[None]:
     """Rank 0 holds the run dir's lock for the whole run; every rank fails at once if another has it."""
     from pipeline.rundir import RunDirBusy, run_lock
 
@@ -471,7 +471,7 @@ def train(cfg: RunConfig, make_loader: LoaderFactory | None = None) -> dict[str,
     with state_dict()/load_state_dict() for exact resume.
     """
     info = dist_utils.init_distributed(cfg.parallel.backend)
-    with _exclusive_run_dir(cfg.run_dir, info.is_main):
+    with exclusive_run_dir(cfg.run_dir, info.is_main):
         return _train(cfg, make_loader)
 
 
