@@ -41,7 +41,7 @@ _WARNED: set[str] = set()
 
 
 def _auto_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """"triton" where the kernel runs and serves these shapes, else "chunked" (warning once per reason)."""
+    """ "triton" where the kernel runs and serves these shapes, else "chunked" (warning once per reason)."""
     if not _triton_usable(q):
         return "chunked"
     from fpa_model.ops.fpa.triton_kernel import unsupported_reason
