@@ -24,6 +24,7 @@ Usage: python bench/kernel.py [--lengths 2048,4096,8192,16384,32768] [--tokens 3
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -96,7 +97,12 @@ def check_correctness(device: torch.device) -> list[str]:
             ref = _grads(
                 fpa_attention_naive, q.float(), k.float(), v.float(), u, do.float(), field, kind=kind
             )
-            contenders = {"triton": (fpa_attention_triton, (q, k, v, do))}
+            # fp32: IEEE dots, so the check holds the kernel to fp32 accuracy (its GPU default is TF32,
+            # which bench/gpu_kernel_check.py checks against its own tolerance).
+            triton_fn = fpa_attention_triton
+            if dtype == torch.float32:
+                triton_fn = functools.partial(fpa_attention_triton, fp32_precision="ieee")
+            contenders = {"triton": (triton_fn, (q, k, v, do))}
             if chunked_fpa_attention is not None:
                 contenders["chunked"] = (chunked_fpa_attention, (q.float(), k.float(), v.float(), do.float()))
             for name, (fn, (qq, kk, vv, dd)) in contenders.items():

@@ -1,6 +1,8 @@
 """Training throughput of the tiny model for fpa, fox and softmax side by side (one process, no DeepSpeed).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/train.py [--steps 10] [--impl chunked] [--out bench.json]
+    python bench/train.py --preset 110m --dtype bf16 --impl auto --seq-len 2048 --batch 16 --peak-tflops auto
+                                   (the GPU acceptance run's loop: bench/gpu_check.sh)
 
 Each kind trains the same shapes with the same attention implementation (default: the chunked PyTorch
 path, what `auto` picks on CPU): forward, backward and an AdamW step per iteration, timed after warm-up;
@@ -8,11 +10,16 @@ the median step time gives tokens/s. Rows are interleaved (fpa, fox, softmax, fp
 on a shared machine hits every kind alike. MFU = (6 N + attention) FLOPs/token x tokens/s over the
 measured fp32 matmul peak of this process. "softmax-sdpa" is a reference line: softmax through
 torch's fused scaled_dot_product_attention instead of the shared chunked path.
+--preset 110m takes the model of configs/model/110m.yaml (d=768, 12 layers, 12 heads, 32k vocab);
+--dtype bf16 runs forward and loss under bf16 autocast (fp32 weights and optimizer); --peak-tflops sets the
+MFU denominator: "measured" (a matmul in --dtype on this device), "auto" (the datasheet's dense peak of a
+known GPU: H100 SXM / H200 989 TFLOP/s bf16, else measured) or a number.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,6 +34,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fpa_model.config import AttentionConfig, ModelConfig  # noqa: E402
 from fpa_model.model import GPT  # noqa: E402
 from pipeline.train import measure_peak_flops  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Datasheet dense peaks, TFLOP/s, by a substring of torch.cuda.get_device_name (first match wins).
+DATASHEET_TFLOPS = {
+    "bf16": [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)],
+    "fp32": [("H100 PCIe", 51.0), ("H100", 67.0), ("H200", 67.0), ("A100", 19.5)],
+}
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """--preset 110m: the model sizes of configs/model/110m.yaml (and its tokenizer's vocab)."""
+    if args.preset == "tiny":
+        return
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.preset}.yaml").read_text())
+    args.n_layer, args.n_head, args.d_model = (cfg["model"][k] for k in ("n_layer", "n_head", "d_model"))
+    args.vocab = cfg.get("data", {}).get("tokenizer", {}).get("vocab_size", args.vocab)
+
+
+def peak_flops(spec: str, device: torch.device, dtype: str) -> tuple[float, str]:
+    """The MFU denominator in FLOP/s and where it came from."""
+    if spec not in ("auto", "measured"):
+        return float(spec) * 1e12, "given"
+    if spec == "auto" and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in DATASHEET_TFLOPS[dtype]:
+            if key in name:
+                return tflops * 1e12, f"datasheet ({name}, dense {dtype})"
+    n = 4096 if device.type == "cuda" else 1024
+    return measure_peak_flops(device, DTYPES[dtype], n=n), f"measured ({dtype} {n}^3 matmul)"
 
 
 def build(kind: str, args: argparse.Namespace) -> GPT:
@@ -61,8 +100,14 @@ def main() -> int:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument(
+        "--preset", choices=["tiny", "110m"], default="tiny", help="110m overrides the sizes above"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16: autocast forward + loss")
+    p.add_argument("--peak-tflops", default="measured", help="MFU denominator: measured, auto or a number")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = p.parse_args()
+    apply_preset(args)
 
     kinds = args.kinds.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() and args.impl in ("triton", "auto") else "cpu")
@@ -74,10 +119,16 @@ def main() -> int:
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
 
+    def autocast():
+        if args.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=DTYPES[args.dtype])
+
     def step(kind: str) -> float:
         model, opt = models[kind], opts[kind]
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        with autocast():
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -93,7 +144,7 @@ def main() -> int:
         for kind in kinds:  # interleaved: drifting machine load hits every kind alike
             times[kind].append(step(kind))
 
-    peak = measure_peak_flops(device)
+    peak, peak_source = peak_flops(args.peak_tflops, device, args.dtype)
     tokens = args.batch * args.seq_len
     rows = {}
     for kind in kinds:
@@ -102,10 +153,13 @@ def main() -> int:
         mfu = models[kind].flops_per_token(args.seq_len) * tps / peak
         rows[kind] = {"median_step_s": med, "tokens_per_s": tps, "mfu": mfu, "steps": times[kind]}
     base = rows.get("softmax")
+    n_params = models[kinds[0]].num_parameters()
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"tiny model: {args.n_layer} layers, d={args.d_model}, {args.n_head} heads, vocab {args.vocab}, "
-        f"batch {args.batch} x {args.seq_len}, impl {args.impl}, {device}, "
-        f"torch threads {torch.get_num_threads()}; peak {peak / 1e9:.1f} GFLOP/s; "
+        f"{args.preset} model ({n_params / 1e6:.1f}M parameters): {args.n_layer} layers, d={args.d_model}, "
+        f"{args.n_head} heads, vocab {args.vocab}, batch {args.batch} x {args.seq_len}, {args.dtype}, "
+        f"impl {args.impl}, {dev_name}, torch threads {torch.get_num_threads()}; "
+        f"peak {peak / 1e12:.2f} TFLOP/s, {peak_source}; "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )
     print(f"{'kind':>13} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'x softmax':>10}")
@@ -118,7 +172,16 @@ def main() -> int:
         verdict = "meets" if ratio <= 1.3 else "MISSES"
         print(f"fpa / softmax step time: {ratio:.2f}x ({verdict} the 1.3x target)")
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+        meta = {
+            "device": dev_name,
+            "n_params": n_params,
+            "peak_tflops": peak / 1e12,
+            "peak_source": peak_source,
+            "torch": torch.__version__,
+        }
+        args.out.write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, **meta, "rows": rows}, indent=1)
+        )
     return 0
 
 
