@@ -10,9 +10,12 @@ VENV36 ?= .venv-triton36
 STAMP36 := $(VENV36)/.installed
 # Triton 3.6's interpreter warns on every scalar argument under NumPy 2.3 (constraints/cpu-triton36.txt).
 NP_WARN := -W "ignore:Conversion of an array with ndim:DeprecationWarning"
+# The GPU acceptance run (bench/gpu_check.sh): the wheels it installs offline, and the python it uses.
+WHEELS ?= wheels
+GPU_PY ?= python3
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-triton36 lint bench venv clean
+.PHONY: demo test test-triton36 lint bench venv clean gpu-wheels gpu-check gpu-check-dry
 
 venv: $(STAMP)
 
@@ -36,9 +39,9 @@ test: $(STAMP)
 	exit $$rc
 
 # The Triton tests (interpreter) again on triton 3.6.0: the two kernel test files whole, and the tests
-# marked `triton` in test_context_parallel.py (the ring on Triton blocks). The venv holds torch, triton,
-# numpy, pytest and the project (--no-deps): the kernels and their tests import nothing else. Both runs
-# go on when one fails.
+# marked `triton` in test_context_parallel.py (the ring on Triton blocks) and test_gpu_check.py
+# (bench/gpu_kernel_check.py at toy sizes). The venv holds torch, triton, numpy, pytest and the project
+# (--no-deps): the kernels and their tests import nothing else. Both runs go on when one fails.
 $(STAMP36): pyproject.toml constraints/cpu-triton36.txt
 	$(PY) -m venv $(VENV36)
 	$(VENV36)/bin/pip install -q --upgrade pip
@@ -51,7 +54,7 @@ test-triton36: $(STAMP36)
 	rc=0; \
 	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) tests/test_fpa_triton.py tests/test_triton_blocks.py || rc=1; \
 	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) -m 'triton and not gpu' \
-		tests/test_context_parallel.py || rc=1; \
+		tests/test_context_parallel.py tests/test_gpu_check.py || rc=1; \
 	exit $$rc
 
 lint: $(STAMP)
@@ -64,6 +67,18 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/train.py
 	$(VENV)/bin/python bench/context_parallel.py
 	$(VENV)/bin/python bench/kernel.py  # prints "no CUDA device: skipping" on CPU
+
+# On a machine with network: the wheels that bench/gpu_check.sh installs on an offline GPU machine.
+gpu-wheels:
+	bench/gpu_wheels.sh $(WHEELS)
+
+# On the GPU machine (torch + Triton with CUDA already installed): the one-call acceptance run.
+gpu-check:
+	PYTHON=$(GPU_PY) bench/gpu_check.sh --wheels $(WHEELS)
+
+# Anywhere: checks the wheel folder, prints the commands and writes the report's skeleton.
+gpu-check-dry:
+	PYTHON=$(GPU_PY) bench/gpu_check.sh --wheels $(WHEELS) --dry-run
 
 clean:
 	rm -rf $(VENV) $(VENV36) runs
