@@ -32,16 +32,16 @@ demo: $(STAMP)
 
 # The suite on the main venv, then the Triton tests on triton 3.6.0; the second runs even when the first
 # fails, and the target fails if either did.
-test: $(STAMP)
+test: $(STAMP) $(STAMP36)
 	rc=0; \
 	$(VENV)/bin/python -m pytest -q || rc=1; \
-	$(MAKE) --no-print-directory test-triton36 || rc=1; \
+	$(TRITON36_TESTS); \
 	exit $$rc
 
 # The Triton tests (interpreter) again on triton 3.6.0: the two kernel test files whole, and the tests
 # marked `triton` in test_context_parallel.py (the ring on Triton blocks) and test_gpu_check.py
 # (bench/gpu_kernel_check.py at toy sizes). The venv holds torch, triton, numpy, pytest and the project
-# (--no-deps): the kernels and their tests import nothing else. Both runs go on when one fails.
+# (--no-deps): the kernels and their tests import nothing else. Both runs go on when one fails (rc=1).
 $(STAMP36): pyproject.toml constraints/cpu-triton36.txt
 	$(PY) -m venv $(VENV36)
 	$(VENV36)/bin/pip install -q --upgrade pip
@@ -49,12 +49,15 @@ $(STAMP36): pyproject.toml constraints/cpu-triton36.txt
 	$(VENV36)/bin/pip install -q --no-deps -e .
 	touch $@
 
-test-triton36: $(STAMP36)
-	@$(VENV36)/bin/python -c "import triton, torch; print(f'Triton tests on triton {triton.__version__}, torch {torch.__version__}')"
-	rc=0; \
+TRITON36_TESTS = \
+	$(VENV36)/bin/python -c "import triton, torch; print('Triton tests on triton', triton.__version__, 'torch', torch.__version__)"; \
 	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) tests/test_fpa_triton.py tests/test_triton_blocks.py || rc=1; \
 	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) -m 'triton and not gpu' \
-		tests/test_context_parallel.py tests/test_gpu_check.py || rc=1; \
+		tests/test_context_parallel.py tests/test_gpu_check.py || rc=1
+
+test-triton36: $(STAMP36)
+	rc=0; \
+	$(TRITON36_TESTS); \
 	exit $$rc
 
 lint: $(STAMP)
