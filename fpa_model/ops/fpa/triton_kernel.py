@@ -97,7 +97,7 @@ def _near_field(
         rmin = tl.zeros((BQ, BK), tl.float32) + phi_k[None, :]
     lvl = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
     mine = lvl < -1  # all False
-    for h in tl.static_range(LG):
+    for h in range(LG):  # a loop, not unrolled: unrolled, the hoisted loads pushed tiles into spills
         pre = tl.load(PRE + h * T + offs_q, mask=q_ok, other=0.0)
         suf = tl.load(SUF + h * T + offs_k, mask=k_ok, other=0.0)
         if KEYS_ON_ROWS:
@@ -119,7 +119,7 @@ def _near_field(
 def _level_sums(acc, ds, lvl, AXIS: tl.constexpr, LG: tl.constexpr, LGP: tl.constexpr):
     """acc[h, :] += sum of ds over AXIS where the routed level is h, for h < LG (acc is (LGP, n))."""
     ids = tl.arange(0, LGP)
-    for h in tl.static_range(LG):
+    for h in range(LG):
         part = tl.sum(tl.where(lvl == h, ds, 0.0), AXIS)
         acc += tl.where(ids[:, None] == h, part[None, :], 0.0)
     return acc
@@ -722,16 +722,27 @@ class Tile(NamedTuple):
 # The GPU autotune lists (Hopper / Ampere), per head-dim bucket (64: D <= 64, 128: D <= 128). 64- and
 # 128-row tiles on the side that is the MMA's M (queries in fwd / dq, keys in dk/dv) so Hopper's warpgroup
 # MMA applies. docs/kernel_resources.md has the registers, spills and shared memory of every entry compiled
-# for sm_90 and sm_80 (bench/kernel_resources.py): the D <= 64 lists spill nowhere; at D = 128 every
-# backward tile tried spills (the listed ones least), see that file. The routing does not depend on the
-# tiles, so each kernel may pick any entry of its list.
+# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills, except the
+# causal dq and dk/dv at D = 128, where every tile tried spills a little under one Triton version or the
+# other (the listed ones least). The routing does not depend on the tiles, so each kernel may pick any
+# entry of its list.
 GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
-    "fwd": {64: [Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(64, 32, 4, 3)], 128: [Tile(64, 32, 4, 3)]},
-    "dq": {64: [Tile(64, 32, 4, 2), Tile(128, 32, 8, 2), Tile(64, 16, 4, 2)], 128: [Tile(64, 16, 4, 2)]},
-    "dkv": {64: [Tile(16, 64, 8, 2), Tile(16, 128, 8, 1), Tile(16, 64, 4, 1)], 128: [Tile(16, 64, 4, 2)]},
+    "fwd": {64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)], 128: [Tile(128, 32, 8, 2)]},
+    "dq": {64: [Tile(64, 32, 4, 2), Tile(64, 16, 4, 2), Tile(128, 32, 8, 2)], 128: [Tile(64, 16, 8, 2)]},
+    "dkv": {
+        64: [Tile(16, 64, 8, 2), Tile(16, 128, 8, 1), Tile(16, 64, 4, 1), Tile(32, 64, 8, 2)],
+        128: [Tile(16, 64, 8, 2)],
+    },
+    "cross_fwd": {
+        64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)],
+        128: [Tile(64, 32, 4, 3), Tile(64, 64, 8, 2)],
+    },
+    "cross_dq": {64: [Tile(64, 32, 4, 2), Tile(64, 16, 4, 2)], 128: [Tile(64, 16, 8, 2), Tile(64, 32, 8, 2)]},
+    "cross_dkv": {
+        64: [Tile(16, 64, 8, 2), Tile(16, 128, 8, 1), Tile(16, 64, 4, 1), Tile(32, 64, 8, 2)],
+        128: [Tile(16, 64, 8, 2)],
+    },
 }
-for _name in ("fwd", "dq", "dkv"):
-    GPU_TILES_BY_DIM["cross_" + _name] = GPU_TILES_BY_DIM[_name]
 # Every tile a kernel's autotuner may try (the union over head dims).
 GPU_TILES: dict[str, list[Tile]] = {
     name: list(dict.fromkeys(t for tiles in by_dim.values() for t in tiles))
