@@ -3,7 +3,9 @@ without a GPU (Triton's bundled ptxas, then cuobjdump -res-usage on the cubin).
 
     python bench/kernel_resources.py           # every GPU_TILES_BY_DIM entry, sm_90 + sm_80, at its head dim
     python bench/kernel_resources.py --quick   # the first entry per kernel, head dim 64 (the test's mode)
-    python bench/kernel_resources.py --md docs/kernel_resources.md --json docs/results/kernel_resources.json
+    python bench/kernel_resources.py --json docs/results/kernel_resources/triton-3.9.0.json
+    .venv-triton36/bin/python bench/kernel_resources.py --json docs/results/kernel_resources/triton-3.6.0.json
+    python bench/kernel_resources.py --md docs/kernel_resources.md --from docs/results/kernel_resources/*.json
 
 Compiled with bf16 inputs and kind fpa (the heaviest: the near-tile levels); the ring's cross kernels write
 fp32 outputs as the ring does. A config with spill bytes > 0 should leave GPU_TILES.
@@ -102,12 +104,67 @@ def compile_one(name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Pat
     }
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_md(path: Path, runs: list[dict]) -> None:
+    """One table over the runs (one per Triton version), each row naming its Triton, commit and command."""
+    lines = [
+        "# Triton FPA kernels: registers, spills, shared memory per GPU config",
+        "",
+        "Compiled with Triton's bundled ptxas (no GPU) by `bench/kernel_resources.py`: bf16 inputs, "
+        "kind fpa, every entry of `GPU_TILES_BY_DIM` at the head dim whose list holds it "
+        "(64: D <= 64, 128: D <= 128). "
+        "Registers per thread (the limit is 255), spill = local-memory stack bytes per thread, shared = "
+        "dynamic shared memory per program.",
+        "",
+    ]
+    for run in runs:
+        m = run["meta"]
+        n_spill = sum(r["spill_bytes"] > 0 for r in run["rows"])
+        lines.append(
+            f"- Triton {m['triton']}: `{m['command']}` at commit `{m['commit'][:10]}` on "
+            f"{m['machine']['cpu']} (Python {m['machine']['python']}): {len(run['rows'])} configs, "
+            f"{n_spill} spill"
+        )
+    lines += [
+        "",
+        "| triton | kernel | tile (M x N) | warps | stages | arch | head dim | registers | spill B "
+        "| shared B |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        lines += [
+            f"| {run['meta']['triton']} | {r['kernel']} | {r['tile']} | {r['num_warps']} | "
+            f"{r['num_stages']} | {r['arch']} | {r['head_dim']} | {r['registers']} | "
+            f"{r['spill_bytes']} | {r['shared_bytes']} |"
+            for r in run["rows"]
+        ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="first tile per kernel, head dim 64")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--md", type=Path, help="write a markdown table here")
+    ap.add_argument(
+        "--from", dest="sources", type=Path, nargs="+", help="tabulate these JSON runs, compile nothing"
+    )
     args = ap.parse_args(argv)
+    if args.sources:
+        runs = [json.loads(p.read_text()) for p in args.sources]
+        if args.md:
+            write_md(args.md, runs)
+        return 0
     head_dims = [64] if args.quick else [64, 128]
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"fpa_res_{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -129,32 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": "python bench/kernel_resources.py" + (" --quick" if args.quick else ""),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "machine": {"cpu": _cpu_model(), "python": platform.python_version()},
         "triton": triton.__version__,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     if args.md:
-        lines = [
-            "# Triton FPA kernels: registers, spills, shared memory per GPU config",
-            "",
-            f"Written by `{meta['command']} --md ...` at commit `{meta['commit'][:10]}` with Triton "
-            f"{meta['triton']} (bundled ptxas, no GPU): bf16 inputs, kind fpa, every entry of "
-            "`GPU_TILES`. Registers per thread (the limit is 255), spill = local-memory stack bytes per "
-            "thread, shared = dynamic shared memory per program. Each list entry is compiled at the head dim "
-            "whose list holds it (64: D <= 64, 128: D <= 128).",
-            "",
-            "| kernel | tile (M x N) | warps | stages | arch | head dim | registers | spill B | shared B |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['kernel']} | {r['tile']} | {r['num_warps']} | {r['num_stages']} | {r['arch']} | "
-            f"{r['head_dim']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"
-            for r in rows
-        ]
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text("\n".join(lines) + "\n")
+        write_md(args.md, [{"meta": meta, "rows": rows}])
     bad = [r for r in rows if r["spill_bytes"] > 0]
     print(f"{len(rows)} configs compiled, {len(bad)} spill")
     return 0
