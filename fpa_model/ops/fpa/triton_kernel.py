@@ -144,6 +144,46 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _near_logits(
+    q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, n_ok, qk_scale,
+    KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LG: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Base-2 logits of a near tile, queries on rows, causal and length masks applied; and (fpa) each
+    pair's level where PRE wins, else -1 (the dq kernel's routing)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    lvl = tl.full((BLOCK_M, BLOCK_N), -1, tl.int32)
+    if KIND == 0:
+        phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+        rmin, lvl = _near_field(PRE, SUF, T, offs_m, offs_n, m_ok, n_ok, phi_k, BLOCK_M, BLOCK_N, LG, False)
+        s += (rmin - phi_k[None, :]) * _LOG2E
+    elif KIND == 1:
+        phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
+        s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
+    return tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf")), lvl
+
+
+@triton.jit
+def _far_logits(
+    q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale,
+    KIND: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Base-2 logits of a far tile (a whole key tile below the query tile's block, all pairs at level
+    `lev`), queries on rows; and (fpa) that level's PRE of the rows and SUF of the columns."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    phi_k = tl.load(PHI + offs_n)
+    pre = phi_q
+    suf = phi_k
+    if KIND == 0:
+        pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
+        suf = tl.load(SUF + lev * T + offs_n)
+        s += (tl.minimum(pre[:, None], suf[None, :]) - phi_k[None, :]) * _LOG2E
+    elif KIND == 1:
+        s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
+    return s, pre, suf
+
+
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
@@ -189,17 +229,10 @@ def _fwd_kernel(
         n_ok = offs_n < T
         k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
         v = _load_rows(V, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if KIND == 0:
-            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
-            rmin, _lv = _near_field(
-                PRE, SUF, T, offs_m, offs_n, m_ok, n_ok, phi_k, BLOCK_M, BLOCK_N, LG, False
-            )
-            s += (rmin - phi_k[None, :]) * _LOG2E
-        elif KIND == 1:
-            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
-            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
-        s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf"))
+        s, _lv = _near_logits(
+            q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, n_ok, qk_scale,
+            KIND, BLOCK_M, BLOCK_N, LG, DOT_PREC,
+        )  # fmt: skip
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
     # Far tiles: whole key tiles below the block, one level each.
@@ -208,16 +241,10 @@ def _fwd_kernel(
         all_n = offs_n >= 0
         k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
         v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if KIND == 0:
-            lev = _highbit(m0 ^ n0)
-            pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
-            suf = tl.load(SUF + lev * T + offs_n)
-            phi_k = tl.load(PHI + offs_n)
-            s += (tl.minimum(pre[:, None], suf[None, :]) - phi_k[None, :]) * _LOG2E
-        elif KIND == 1:
-            phi_k = tl.load(PHI + offs_n)
-            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
+        lev = _highbit(m0 ^ n0)
+        s, _pre, _suf = _far_logits(
+            q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
+        )
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
 
     O += b * stride_ob + h * stride_oh
@@ -304,17 +331,10 @@ def _bwd_dq_kernel(
         n_ok = offs_n < T
         k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
         v = _load_rows(V, offs_n, stride_vt, offs_d, n_ok, d_ok, LOWP)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if KIND == 0:
-            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
-            rmin, lvl = _near_field(
-                PRE, SUF, T, offs_m, offs_n, m_ok, n_ok, phi_k, BLOCK_M, BLOCK_N, LG, False
-            )
-            s += (rmin - phi_k[None, :]) * _LOG2E
-        elif KIND == 1:
-            phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
-            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
-        s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf"))
+        s, lvl = _near_logits(
+            q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, n_ok, qk_scale,
+            KIND, BLOCK_M, BLOCK_N, LG, DOT_PREC,
+        )  # fmt: skip
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -328,28 +348,21 @@ def _bwd_dq_kernel(
         tl.store(ROWR + ids[:, None] * T + offs_m[None, :], near, mask=(ids < LG)[:, None] & m_ok[None, :])
 
     # Far tiles, ascending: the level never rises, so each level's row sums are complete when it changes.
-    cur = tl.full(
-        (BLOCK_M,), -1, tl.int32
-    )  # the level being summed (a vector: scalar masks fail to broadcast)
+    cur = tl.full((BLOCK_M,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     racc = tl.zeros((BLOCK_M,), tl.float32)
     for n0 in range(0, d0, BLOCK_N):
         offs_n = n0 + ln
         all_n = offs_n >= 0
         k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
         v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        lev = _highbit(m0 ^ n0)
         if KIND == 0:
-            lev = _highbit(m0 ^ n0)
             tl.store(ROWR + tl.maximum(cur, 0) * T + offs_m, racc, mask=m_ok & (cur != lev) & (cur >= 0))
             racc = tl.where(cur != lev, 0.0, racc)
             cur = tl.zeros_like(cur) + lev
-            pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
-            suf = tl.load(SUF + lev * T + offs_n)
-            phi_k = tl.load(PHI + offs_n)
-            s += (tl.minimum(pre[:, None], suf[None, :]) - phi_k[None, :]) * _LOG2E
-        elif KIND == 1:
-            phi_k = tl.load(PHI + offs_n)
-            s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
+        s, pre, suf = _far_logits(
+            q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
+        )
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -446,9 +459,7 @@ def _bwd_dkv_kernel(
 
     # Far query tiles, ascending: the level never falls, so each level's column sums are complete when it
     # changes.
-    cur = tl.full(
-        (BLOCK_N,), -1, tl.int32
-    )  # the level being summed (a vector: scalar masks fail to broadcast)
+    cur = tl.full((BLOCK_N,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     cacc = tl.zeros((BLOCK_N,), tl.float32)
     for m0 in range(d0 + (1 << LG), T, BLOCK_M):
         offs_m = m0 + lm
