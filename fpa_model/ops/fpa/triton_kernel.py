@@ -833,8 +833,7 @@ def _resolve_tiles(block_size: int | None, tiles: Mapping[str, TileSpec] | None)
     """Pinned tiles per kernel name: block_size square tiles everywhere, then `tiles` per kernel."""
     out: dict[str, Tile] = {}
     if block_size is not None:
-        if block_size < MIN_TILE or block_size > MAX_TILE or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of 2 in [{MIN_TILE}, {MAX_TILE}], got {block_size}")
+        _check_tile(Tile(block_size, block_size), "block_size")
         out = {name: Tile(block_size, block_size) for name in KERNEL_NAMES}
     for name, spec in (tiles or {}).items():
         if name not in KERNEL_NAMES:
