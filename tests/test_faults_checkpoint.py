@@ -31,7 +31,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_train_support import REPO, read_metrics, run_training, summary_of, write_config
+from test_train_support import (
+    REPO,
+    popen_training,
+    prepare_word_corpus,
+    read_metrics,
+    run_training,
+    summary_of,
+    write_config,
+)
 
 from pipeline import checkpoint as ck
 
@@ -85,20 +93,6 @@ def runner(cfg: Path, overrides: list[str], env: dict[str, str] | None = None, *
         capture_output=True,
         text=True,
         timeout=240,
-    )
-
-
-def popen(cfg: Path, overrides: list[str], env: dict[str, str]) -> subprocess.Popen:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
-    full.pop("PYTEST_CURRENT_TEST", None)
-    script = str(Path(__file__).with_name("test_train_support.py"))
-    return subprocess.Popen(
-        [sys.executable, script, str(cfg), *overrides],
-        cwd=REPO,
-        env=full,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
 
 
@@ -164,26 +158,8 @@ def test_weights_only_loads_guards_deepspeeds_own_loaders(tmp_path):
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory) -> tuple[Path, Path]:
     """`fpa train` (the CLI, real prepared shards, export at the end): (config file, run dir)."""
-    from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
-    from data_prep.prepare import prepare_data
-
     tmp = tmp_path_factory.mktemp("cli")
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(40)]
-    with open(tmp / "c.jsonl", "w") as f:
-        for _ in range(120):
-            start = rng.randrange(len(words))
-            text = " ".join(words[(start + i) % len(words)] for i in range(rng.randint(20, 60)))
-            f.write(json.dumps({"text": text}) + "\n")
-    dcfg = DataConfig(
-        train=SourceConfig(type="jsonl", paths=[str(tmp / "c.jsonl")]),
-        val_fraction=0.1,
-        tokenizer=TokenizerConfig(vocab_size=300),
-        seq_len=32,
-        sequences_per_member=8,
-        sequences_per_shard=32,
-    )
-    prepare_data(dcfg, tmp / "data", progress=False)
+    prepare_word_corpus(tmp)
     cfg = tmp / "run.yaml"
     cfg.write_text(
         f"""
@@ -403,7 +379,7 @@ def test_rollback_kill_and_auto_resume_stay_on_the_new_lineage(cfg_path, tmp_pat
         ],
     )
 
-    proc = popen(
+    proc = popen_training(
         cfg_path,
         [*b_over, f"train.checkpoint.resume={a_root / 'global_step8'}", f"runs_dir={tmp_path / 'a'}"],
         {"FPA_TEST_LOADER_DELAY": "0.15"},
@@ -489,7 +465,7 @@ def test_checksums_name_only_files_inside_the_checkpoint(tmp_path):
 
 
 def test_second_trainer_on_the_same_run_dir_fails_at_once(cfg_path, tmp_path):
-    first = popen(cfg_path, [*TINY, f"runs_dir={tmp_path}"], {"FPA_TEST_LOADER_DELAY": "1.5"})
+    first = popen_training(cfg_path, [*TINY, f"runs_dir={tmp_path}"], {"FPA_TEST_LOADER_DELAY": "1.5"})
     try:
         wait_for(lambda: logged_step(tmp_path / "t", 1), first)
         t0 = time.time()
@@ -533,7 +509,7 @@ def test_sigint_saves_and_exits_like_sigterm(cfg_path, base, tmp_path):
         "SLURM_JOB_ID": "77",
         "FPA_REQUEUE_CMD": f"touch {marker}",
     }
-    proc = popen(cfg_path, over, env)
+    proc = popen_training(cfg_path, over, env)
     try:
         wait_for(lambda: logged_step(tmp_path / "t", 3), proc)
         proc.send_signal(signal.SIGINT)

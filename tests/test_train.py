@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_support import REPO, read_metrics, run_training, summary_of, write_config
+from test_train_support import REPO, popen_training, read_metrics, run_training, summary_of, write_config
 
 BASE = ["train.micro_batch=2", "train.grad_accum=2", "train.max_steps=12", "train.val_every=6"]
 TOL = 2e-5  # fp32: ranks / stages / resume agree to about 1e-6 here
@@ -146,25 +146,11 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
-def _popen(cfg_path: Path, overrides: list[str], env: dict[str, str]) -> subprocess.Popen:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
-    full_env.pop("PYTEST_CURRENT_TEST", None)
-    script = str(Path(__file__).with_name("test_train_support.py"))
-    return subprocess.Popen(
-        [sys.executable, script, str(cfg_path), *overrides],
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_curve(cfg_path, reference, tmp_path):
     # ZeRO-3 here: its resume (partitioned params + optimizer) is covered nowhere else.
     over = [*BASE, "train.zero_stage=3", "train.checkpoint.every=3", f"runs_dir={tmp_path}"]
-    proc = _popen(cfg_path, over, {"FPA_TEST_LOADER_DELAY": "0.15"})
+    proc = popen_training(cfg_path, over, {"FPA_TEST_LOADER_DELAY": "0.15"})
     try:
         _wait_for_step(tmp_path / "t", 7, proc)
     finally:
@@ -191,7 +177,7 @@ def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, 
         "SLURM_NTASKS": "1",
         "SLURM_PROCID": "0",
     }
-    proc = _popen(cfg_path, over, env)
+    proc = popen_training(cfg_path, over, env)
     _wait_for_step(tmp_path / "t", 3, proc)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)

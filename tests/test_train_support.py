@@ -157,6 +157,46 @@ def run_training(
     return proc
 
 
+def popen_training(config: Path, overrides: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """One training process left running (for signals, kills and a second trainer), cwd = repo root."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+    full_env.pop("PYTEST_CURRENT_TEST", None)
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), str(config), *overrides],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def prepare_word_corpus(tmp: Path) -> Path:
+    """A small jsonl corpus of word runs prepared into real shards (vocab 300, seq_len 32): the data dir."""
+    import random
+
+    from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
+    from data_prep.prepare import prepare_data
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(40)]
+    with open(tmp / "c.jsonl", "w") as f:
+        for _ in range(120):
+            start = rng.randrange(len(words))
+            text = " ".join(words[(start + i) % len(words)] for i in range(rng.randint(20, 60)))
+            f.write(json.dumps({"text": text}) + "\n")
+    dcfg = DataConfig(
+        train=SourceConfig(type="jsonl", paths=[str(tmp / "c.jsonl")]),
+        val_fraction=0.1,
+        tokenizer=TokenizerConfig(vocab_size=300),
+        seq_len=32,
+        sequences_per_member=8,
+        sequences_per_shard=32,
+    )
+    prepare_data(dcfg, tmp / "data", progress=False)
+    return tmp / "data"
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     """step -> the last metrics.jsonl record with a loss for it (a resumed run rewrites its steps)."""
     out: dict[int, dict[str, Any]] = {}

@@ -221,26 +221,11 @@ def test_deepspeed_config_and_param_groups():
 @pytest.mark.slow
 def test_train_main_on_prepared_shards(tmp_path):
     """`python -m pipeline.train`: vocab from the data index, real ShardLoader, validation, checkpoint."""
-    from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
-    from data_prep.index import load_index
-    from data_prep.prepare import prepare_data
+    from test_train_support import prepare_word_corpus
 
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(40)]
-    with open(tmp_path / "c.jsonl", "w") as f:
-        for _ in range(120):
-            start = rng.randrange(len(words))
-            text = " ".join(words[(start + i) % len(words)] for i in range(rng.randint(20, 60)))
-            f.write(json.dumps({"text": text}) + "\n")
-    dcfg = DataConfig(
-        train=SourceConfig(type="jsonl", paths=[str(tmp_path / "c.jsonl")]),
-        val_fraction=0.1,
-        tokenizer=TokenizerConfig(vocab_size=300),
-        seq_len=32,
-        sequences_per_member=8,
-        sequences_per_shard=32,
-    )
-    prepare_data(dcfg, tmp_path / "data", progress=False)
+    from data_prep.index import load_index
+
+    prepare_word_corpus(tmp_path)
     vocab = load_index(tmp_path / "data").vocab_size
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(
