@@ -71,37 +71,48 @@ def _res_usage(cubin: bytes, workdir: Path) -> dict:
     return {"registers": int(m[1]), "stack_bytes": int(m[2]), "static_shared": int(m[3])}
 
 
-def compile_one(name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Path) -> dict:
-    raw = tk._KERNELS[name][0]
-    consts = {"KIND": 0, "HEAD_DIM": head_dim, "LOWP": True, "DOT_PREC": "tf32", **tk._meta(tile, raw)}
+def _compile(fn, name: str, consts: dict, arch: str, num_warps: int, num_stages: int, workdir: Path) -> dict:
     src = ASTSource(
-        fn=raw,
-        signature=_signature(raw, name, consts),
-        constexprs={(raw.arg_names.index(k),): v for k, v in consts.items()},
+        fn=fn,
+        signature=_signature(fn, name, consts),
+        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
     )
     t0 = time.perf_counter()
     kernel = triton.compile(
         src,
         target=GPUTarget("cuda", ARCHS[arch], 32),
-        options={"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+        options={"num_warps": num_warps, "num_stages": num_stages},
     )
     seconds = time.perf_counter() - t0
-    spills = re.findall(r"(\d+) bytes spill stores", kernel.asm.get("ptx", "") or "")
     usage = _res_usage(kernel.asm["cubin"], workdir)
     return {
         "kernel": name,
         "arch": arch,
-        "head_dim": head_dim,
-        "tile": f"{tile.block_m}x{tile.block_n}",
-        "num_warps": tile.num_warps,
-        "num_stages": tile.num_stages,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
         **usage,
         # Stack frames in these kernels are register spills (no local arrays, no recursion).
         "spill_bytes": usage["stack_bytes"],
         "shared_bytes": int(kernel.metadata.shared),
         "compile_s": round(seconds, 2),
-        "_ptx_spill_notes": spills,
     }
+
+
+def compile_one(name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Path) -> dict:
+    """One autotune entry of an attention kernel (bf16, kind fpa)."""
+    raw = tk._KERNELS[name][0]
+    consts = {"KIND": 0, "HEAD_DIM": head_dim, "LOWP": True, "DOT_PREC": "tf32", **tk._meta(tile, raw)}
+    row = _compile(raw, name, consts, arch, tile.num_warps, tile.num_stages, workdir)
+    return {**row, "head_dim": head_dim, "tile": f"{tile.block_m}x{tile.block_n}"}
+
+
+# The field-level scans (one launch each per call, default launch options): name -> kernel.
+SCANS = {"levels": tk._levels_kernel, "route": tk._route_kernel}
+
+
+def compile_scan(name: str, arch: str, workdir: Path) -> dict:
+    row = _compile(SCANS[name], name, {"BLOCK": tk.SCAN_BLOCK}, arch, 4, 3, workdir)
+    return {**row, "head_dim": "-", "tile": str(tk.SCAN_BLOCK)}
 
 
 def _cpu_model() -> str:
@@ -175,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
             for tile in tiles[:1] if args.quick else tiles:
                 for arch in ARCHS:
                     row = compile_one(name, tile, arch, d, workdir)
-                    row.pop("_ptx_spill_notes")
                     rows.append(row)
                     print(
                         f"{name:10s} {row['tile']:>8s} w{tile.num_warps} s{tile.num_stages} {arch} d{d}: "
@@ -183,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"smem {row['shared_bytes']} B, {row['compile_s']} s",
                         flush=True,
                     )
+    for name in SCANS:
+        for arch in ARCHS:
+            row = compile_scan(name, arch, workdir)
+            rows.append(row)
+            print(
+                f"{name:10s} {row['tile']:>8s} {arch}: {row['registers']} regs, spill {row['spill_bytes']} B"
+            )
     meta = {
         "command": "python bench/kernel_resources.py" + (" --quick" if args.quick else ""),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),

@@ -355,7 +355,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     kernels = {row["kernel"] for row in rows}
-    assert kernels == set(tk.KERNEL_NAMES), kernels
+    assert kernels == {*tk.KERNEL_NAMES, "levels", "route"}, kernels
     assert {row["arch"] for row in rows} == {"sm_90", "sm_80"}
     for row in rows:  # --quick compiles the head-dim-64 lists' first entries: none may spill
         assert 0 < row["registers"] <= 255 and row["spill_bytes"] == 0, row
@@ -406,3 +406,60 @@ def test_bf16_large_field_keeps_precision():
     for name, a, r in zip(("out", "dq", "dk", "dv", "du"), got, ref):
         err = (a.double() - r).abs().max().item() / r.abs().max().item()
         assert err < 3e-2, f"{name}: relative error {err:.3g}"
+
+
+def _levels_oracle(phi: torch.Tensor, nlev: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PRE / SUF by cummin over each level's aligned segments."""
+    n, t = phi.shape
+    pre, suf = phi.new_empty((n, nlev, t)), phi.new_empty((n, nlev, t))
+    for h in range(nlev):
+        seg = min(1 << h, t)
+        padded = -(-t // seg) * seg
+        x = F.pad(phi, (0, padded - t), value=math.inf).view(n, padded // seg, seg)
+        pre[:, h] = x.cummin(-1).values.view(n, padded)[:, :t]
+        suf[:, h] = x.flip(-1).cummin(-1).values.flip(-1).view(n, padded)[:, :t]
+    return pre, suf
+
+
+def _route_oracle(phi, pre, suf, row_r, col_r) -> torch.Tensor:
+    """Each ROWR[h, i] to the lowest argmin of phi over [segment start, i], each COLR[h, j] to the lowest
+    argmin over [j, segment end], by an explicit scatter."""
+    n, nlev, t = pre.shape
+    out = torch.zeros(n, t, dtype=torch.float64)
+    for r in range(n):
+        for h in range(nlev):
+            seg = 1 << h
+            for i in range(t):
+                s0, s1 = (i // seg) * seg, min((i // seg + 1) * seg, t)
+                window = phi[r, s0 : i + 1]
+                out[r, s0 + int(torch.nonzero(window == window.min())[0])] += float(row_r[r, h, i])
+                window = phi[r, i:s1]
+                out[r, i + int(torch.nonzero(window == window.min())[0])] += float(col_r[r, h, i])
+    return out
+
+
+@pytest.mark.parametrize("t,block", [(1, 1024), (37, 1024), (1500, 1024), (100, 16)])
+def test_field_levels_kernel_matches_cummin(t, block, monkeypatch):
+    """Chunks of 16 make every level's segments and runs cross chunk boundaries (the carried minima)."""
+    monkeypatch.setattr(tk, "SCAN_BLOCK", block)
+    g = torch.Generator().manual_seed(t)
+    phi = torch.randint(0, 4, (2, t), generator=g).float()  # ties everywhere
+    phi[1] = torch.randn(t, generator=g).cumsum(0)
+    nlev = tk.n_levels(t)
+    pre, suf = tk.field_levels(phi.to(DEVICE), nlev)
+    ref_pre, ref_suf = _levels_oracle(phi, nlev)
+    assert torch.equal(pre.cpu(), ref_pre) and torch.equal(suf.cpu(), ref_suf)
+
+
+@pytest.mark.parametrize("t,block", [(1, 1024), (45, 1024), (100, 16)])
+def test_route_levels_kernel_sends_each_sum_to_its_lowest_argmin(t, block, monkeypatch):
+    """Each level's row and column sums reach their lowest argmins; chunks of 16 make runs cross chunks."""
+    monkeypatch.setattr(tk, "SCAN_BLOCK", block)
+    g = torch.Generator().manual_seed(t + 1)
+    phi = torch.randint(0, 3, (2, t), generator=g).float()
+    phi[1] = torch.randn(t, generator=g).cumsum(0)
+    nlev = tk.n_levels(t)
+    pre, suf = _levels_oracle(phi, nlev)
+    row_r, col_r = torch.randn(2, nlev, t, generator=g), torch.randn(2, nlev, t, generator=g)
+    got = tk.route_levels(*(x.to(DEVICE) for x in (phi, pre, suf, row_r, col_r))).cpu()
+    torch.testing.assert_close(got.double(), _route_oracle(phi, pre, suf, row_r, col_r), atol=1e-4, rtol=1e-5)

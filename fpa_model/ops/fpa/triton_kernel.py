@@ -23,9 +23,9 @@ argmin of SUF[h, j] when that side wins, else of PRE[h, i]; which side wins depe
 only, never on a tile size. So the dq kernel (which owns rows) writes ROWR[h, i] = sum of ds_ij over the
 pairs of level h that PRE wins, the dk/dv kernel (which owns columns) writes COLR[h, j] for the pairs SUF
 wins and DCOL[j] = sum_{i > j} ds_ij, and the host sends ROWR[h, i] to argPRE[h, i] and COLR[h, j] to
-argSUF[h, j] (`route_levels`: runs of equal argmin are contiguous, so this is a float64 cumsum and a
-difference per run). Every buffer element has one writer: no atomics, the same field gradient whatever
-tiles the autotuner picks for each kernel, and the same bits from run to run.
+argSUF[h, j] (`route_levels`: runs of equal argmin are contiguous, so these are segmented sums). Every
+buffer element has one writer: no atomics, the same field gradient whatever tiles the autotuner picks
+for each kernel, and the same bits from run to run.
 
 Ring blocks. The sequence-parallel ring (fpa_model/context_parallel.py) calls fpa_cross_forward /
 fpa_cross_backward / fpa_diag_forward / fpa_diag_backward, with the signatures and return types of the
@@ -49,7 +49,6 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -508,6 +507,108 @@ def _bwd_dkv_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
+# field levels and routing: one program per (batch x head, level), chunked segmented scans
+# ----------------------------------------------------------------------------------------------------
+# A chunk is scanned in one direction by loading it in that order (t ascending, or t descending for
+# suffixes), so every scan is a forward scan whose flag marks the element that starts a new segment.
+
+
+@triton.jit
+def _seg_min(a, fa, b, fb):
+    return tl.where(fb != 0, b, tl.minimum(a, b)), fa | fb
+
+
+@triton.jit
+def _seg_sum(a, fa, b, fb):
+    return tl.where(fb != 0, b, a + b), fa | fb
+
+
+@triton.jit
+def _last(x, BLOCK: tl.constexpr):
+    """The last element of a (BLOCK,) vector in scan order, as a scalar."""
+    return tl.max(tl.where(tl.arange(0, BLOCK) == BLOCK - 1, x, float("-inf")), 0)
+
+
+@triton.jit
+def _levels_kernel(PHI, PRE, SUF, T, NLEV, BLOCK: tl.constexpr):
+    """PRE[h, t] = min of phi from the start of t's aligned 2^h segment to t; SUF[h, t] = from t to its end."""
+    bh = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    low = (1 << h) - 1  # t & low == 0: a segment starts at t; == low: one ends at t
+    PHI += bh * T
+    PRE += (bh * NLEV + h) * T
+    SUF += (bh * NLEV + h) * T
+    ids = tl.arange(0, BLOCK)
+    carry = tl.max(tl.full((BLOCK,), float("inf"), tl.float32), 0)
+    for c0 in range(0, T, BLOCK):  # prefixes: t ascending
+        t = c0 + ids
+        x = tl.load(PHI + t, mask=t < T, other=float("inf"))
+        v, f = tl.associative_scan((x, ((t & low) == 0).to(tl.int32)), 0, _seg_min)
+        v = tl.where(f != 0, v, tl.minimum(v, carry))
+        tl.store(PRE + t, v, mask=t < T)
+        carry = _last(v, BLOCK)
+    carry = tl.max(tl.full((BLOCK,), float("inf"), tl.float32), 0)
+    for c0 in range(0, T, BLOCK):  # suffixes: t descending (padding past T is +inf: it changes no min)
+        t = T - 1 - c0 - ids
+        x = tl.load(PHI + t, mask=t >= 0, other=float("inf"))
+        v, f = tl.associative_scan((x, ((t & low) == low).to(tl.int32)), 0, _seg_min)
+        v = tl.where(f != 0, v, tl.minimum(v, carry))
+        tl.store(SUF + t, v, mask=t >= 0)
+        carry = _last(v, BLOCK)
+
+
+@triton.jit
+def _route_kernel(PHI, PRE, SUF, ROWR, COLR, OUT_ROW, OUT_COL, T, NLEV, BLOCK: tl.constexpr):
+    """OUT_ROW[h, t] = ROWR[h] summed over the rows whose lowest PRE argmin is t (the run from a head t, where
+    the prefix-min strictly falls or a segment starts, to the next head); OUT_COL[h, t] = COLR[h] summed over
+    the columns whose lowest SUF argmin is t (the run after the previous tail up to a tail t, SUF == phi).
+    Two outputs: the two passes visit t in opposite orders, so neither reads what the other wrote."""
+    bh = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    low = (1 << h) - 1
+    base = (bh * NLEV + h) * T
+    PHI += bh * T
+    PRE += base
+    SUF += base
+    ROWR += base
+    COLR += base
+    OUT_ROW += base
+    OUT_COL += base
+    ids = tl.arange(0, BLOCK)
+    # Rows, t descending: the run of head t is t .. next head - 1, so t+1 being a head starts a new sum.
+    carry = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
+    for c0 in range(0, T, BLOCK):
+        t = T - 1 - c0 - ids
+        ok = t >= 0
+        pre = tl.load(PRE + t, mask=ok, other=float("inf"))
+        head = ((t & low) == 0) | (pre < tl.load(PRE + t - 1, mask=t >= 1, other=float("inf")))
+        nxt = t + 1
+        nxt_pre = tl.load(PRE + nxt, mask=(nxt < T) & ok, other=float("inf"))
+        nxt_head = (nxt >= T) | ((nxt & low) == 0) | (nxt_pre < pre)
+        r = tl.load(ROWR + t, mask=ok, other=0.0)
+        acc, f = tl.associative_scan((r, nxt_head.to(tl.int32)), 0, _seg_sum)
+        acc = tl.where(f != 0, acc, acc + carry)
+        tl.store(OUT_ROW + t, tl.where(head, acc, 0.0), mask=ok)
+        carry = _last(acc, BLOCK)
+    # Columns, t ascending: the run of tail t is previous tail + 1 .. t, so t-1 being a tail starts one.
+    carry = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
+    for c0 in range(0, T, BLOCK):
+        t = c0 + ids
+        ok = t < T
+        tail = tl.load(SUF + t, mask=ok, other=0.0) == tl.load(PHI + t, mask=ok, other=1.0)
+        prv = t - 1
+        prv_tail = (prv < 0) | (
+            tl.load(SUF + prv, mask=(prv >= 0) & ok, other=0.0)
+            == tl.load(PHI + prv, mask=(prv >= 0) & ok, other=1.0)
+        )
+        c = tl.load(COLR + t, mask=ok, other=0.0)
+        acc, f = tl.associative_scan((c, prv_tail.to(tl.int32)), 0, _seg_sum)
+        acc = tl.where(f != 0, acc, acc + carry)
+        tl.store(OUT_COL + t, tl.where(tail, acc, 0.0), mask=ok)
+        carry = _last(acc, BLOCK)
+
+
+# ----------------------------------------------------------------------------------------------------
 # cross blocks (sequence-parallel ring): a query chunk against a strictly earlier key chunk
 # ----------------------------------------------------------------------------------------------------
 # Every pair is visible, so there is no causal mask and no near tile; query and key chunks may have
@@ -856,18 +957,21 @@ def n_levels(t: int) -> int:
     return max((t - 1).bit_length(), _levels_below(Tile(MAX_TILE, MAX_TILE)))
 
 
+SCAN_BLOCK = 1024  # positions per chunk of the level and routing scans (tests shrink it to cross chunks)
+
+
+def _scan_block(t: int) -> int:
+    return min(SCAN_BLOCK, max(16, triton.next_power_of_2(t)))
+
+
 def field_levels(phi: torch.Tensor, nlev: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(PRE, SUF), each (N, nlev, T) float32, from phi (N, T): PRE[:, h, t] = min of phi from the start of
-    t's aligned 2^h segment to t, SUF[:, h, t] = min of phi from t to the end of that segment."""
+    """(PRE, SUF), each (N, nlev, T) float32, from phi (N, T) float32 contiguous: PRE[:, h, t] = min of phi
+    from the start of t's aligned 2^h segment to t, SUF[:, h, t] = min of phi from t to the end of that
+    segment. One launch, one program per (row, level)."""
     n, t = phi.shape
     pre = phi.new_empty((n, nlev, t))
     suf = phi.new_empty((n, nlev, t))
-    for h in range(nlev):
-        seg = min(1 << h, t)
-        padded = -(-t // seg) * seg
-        x = F.pad(phi, (0, padded - t), value=math.inf).view(n, padded // seg, seg)
-        pre[:, h] = x.cummin(-1).values.view(n, padded)[:, :t]
-        suf[:, h] = x.flip(-1).cummin(-1).values.flip(-1).view(n, padded)[:, :t]
+    _levels_kernel[(n, nlev)](phi, pre, suf, t, nlev, BLOCK=_scan_block(t))
     return pre, suf
 
 
@@ -879,23 +983,13 @@ def route_levels(
 
     In each aligned segment the prefix argmin only moves forward and changes at a strict new minimum (a
     head); the suffix argmin of j is the first t >= j with SUF == phi_t (a tail). So the rows that route
-    to a head form the run up to the next head, the columns that route to a tail the run after the previous
-    tail: run sums from a float64 cumsum, no scatter and no atomics."""
+    to a head form the run up to the next head, the columns that route to a tail the run after the
+    previous tail: segmented sums in one launch (a program per row and level, no atomics), then a sum over
+    the levels."""
     n, nlev, t = pre.shape
-    idx = torch.arange(t, device=phi.device)
-    starts = (idx[None, :] & ((1 << torch.arange(nlev, device=phi.device))[:, None] - 1)) == 0  # (nlev, T)
-    prev = F.pad(pre[..., :-1], (1, 0), value=math.inf)
-    head = starts | (pre < prev)
-    cs = F.pad(row_r.double().cumsum(-1), (1, 0))  # cs[k] = sum of the first k
-    next_head = torch.where(head, idx, t).flip(-1).cummin(-1).values.flip(-1)  # first head >= t
-    next_head = F.pad(next_head[..., 1:], (0, 1), value=t)  # first head > t
-    out = torch.where(head, cs.gather(-1, next_head) - cs[..., :-1], 0.0)
-    tail = suf == phi[:, None, :]
-    cc = F.pad(col_r.double().cumsum(-1), (1, 0))
-    last_tail = torch.where(tail, idx, -1).cummax(-1).values  # last tail <= t
-    last_tail = F.pad(last_tail[..., :-1], (1, 0), value=-1)  # last tail < t
-    out += torch.where(tail, cc[..., 1:] - cc.gather(-1, last_tail + 1), 0.0)
-    return out.sum(1).float()
+    out_row, out_col = torch.empty_like(pre), torch.empty_like(pre)
+    _route_kernel[(n, nlev)](phi, pre, suf, row_r, col_r, out_row, out_col, t, nlev, BLOCK=_scan_block(t))
+    return out_row.sum(1) + out_col.sum(1)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
