@@ -208,7 +208,7 @@ def render_sbatch(
     log_dir: Path | None = None,
 ) -> str:
     """The sbatch script of one stage (prepare | train | eval) of the run `cfg` (loaded from
-    config_paths + overrides, which the job passes to `python -m pipeline.cli <stage>` again).
+    config_paths + overrides, which the job passes to `python -m launch.cli <stage>` again).
     Logs go to log_dir (default <run_dir>/slurm), which must exist before submission."""
     return render_job(
         cfg,

@@ -55,7 +55,7 @@ from launch.slurm import (
 from pipeline.config import ConfigError, RunConfig, derive, load_config
 
 SWEEP_KEYS = {"name", "description", "configs", "overrides", "grid", "max_parallel", "local_nproc"}
-Runner = Callable[[list[str]], int]  # argv for `python -m pipeline.cli` -> exit status
+Runner = Callable[[list[str]], int]  # argv for `python -m launch.cli` -> exit status
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ def write_run_list(sweep: Sweep, path: Path) -> None:
 
 
 def _cli_runner(argv: list[str]) -> int:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *argv]).returncode
+    return subprocess.run([sys.executable, "-m", "launch.cli", *argv]).returncode
 
 
 def run_sweep(
@@ -284,7 +284,7 @@ def run_sweep(
     """Run a sweep. mode "slurm": submit one prepare job per distinct data dir, ONE training job array
     after them and one eval array (element i after training element i); returns the job ids: prepare
     jobs, then the training array, then the eval array. mode "local": prepare once per data dir,
-    then train + eval each run in turn through `runner` (default: `python -m pipeline.cli ...` in a
+    then train + eval each run in turn through `runner` (default: `python -m launch.cli ...` in a
     subprocess); returns the names of the runs that finished. dry_run prints and submits/runs nothing."""
     if mode not in ("slurm", "local"):
         raise ConfigError(f"sweep mode must be 'slurm' or 'local'; got {mode!r}")
@@ -335,7 +335,7 @@ def _run_local(sweep: Sweep, *, dry_run: bool, runner: Runner) -> list[str]:
     ]
     if dry_run:
         for what, argv in prepares + runs:
-            print(f"# {what}\n{' '.join(q(a) for a in [sys.executable, '-m', 'pipeline.cli', *argv])}")
+            print(f"# {what}\n{' '.join(q(a) for a in [sys.executable, '-m', 'launch.cli', *argv])}")
         return []
     for what, argv in prepares:
         print(f"fpa sweep {sweep.name}: {what}", file=sys.stderr)

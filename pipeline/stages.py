@@ -15,10 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.index import sha256_file
+from data_prep.prepare import data_problem, prepare_data
 from pipeline.config import ConfigError, RunConfig, derive
-from pipeline.rundir import RunDir, hash_outputs, sha256_json
+from pipeline.rundir import STAGES, RunDir, hash_outputs, sha256_json
+
+# The training and evaluation modules import torch and deepspeed (seconds): run_train / run_eval import
+# them when they run, so that `fpa prepare`, `fpa print-config` and the launchers start without them.
 
 log = logging.getLogger("fpa")
+
+__all__ = [
+    "STAGES",
+    "eval_inputs",
+    "export_dir",
+    "prepare_inputs",
+    "run_eval",
+    "run_prepare",
+    "run_train",
+    "train_inputs",
+]
 
 
 def _asdict(obj: Any) -> Any:
@@ -111,8 +126,6 @@ def _outputs_problem(run: RunDir, stage: str, recorded: dict[str, str]) -> str |
         if sha256_file(p) != digest:
             return f"{p} changed since it was made"
     if stage == "prepare":
-        from data_prep.prepare import data_problem
-
         return data_problem(run.cfg.data, run.cfg.data_dir)
     return None
 
@@ -134,8 +147,6 @@ def _skip(run: RunDir, stage: str, inputs: dict[str, Any], force: bool) -> bool:
 
 
 def run_prepare(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
-    from data_prep.prepare import prepare_data
-
     run = RunDir(cfg)
     inputs = prepare_inputs(cfg)
     if _skip(run, "prepare", inputs, force):

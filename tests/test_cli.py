@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import build_parser, main
+from launch.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ["prepare", "train", "eval", "run", "launch", "sweep", "export", "print-config", "synthetic"]
@@ -14,7 +14,7 @@ SUBCOMMANDS = ["prepare", "train", "eval", "run", "launch", "sweep", "export", "
 
 def fpa(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "launch.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -189,7 +189,7 @@ def fpa(*args: str) -> subprocess.CompletedProcess:
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("PYTEST_CURRENT_TEST", None)
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "launch.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.cli import main
+from launch.cli import main
 from pipeline.config import ConfigError, RunConfig, derive, from_yaml_text, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]

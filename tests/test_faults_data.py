@@ -22,7 +22,7 @@ from data_prep.index import load_index
 from data_prep.loader import ShardLoader
 from data_prep.prepare import prepare_data
 from data_prep.shards import SplitWriter, read_shard
-from pipeline.cli import main
+from launch.cli import main
 from pipeline.config import ConfigError, load_config
 from pipeline.rundir import RunDir, hash_outputs
 from pipeline.stages import _skip, export_dir, run_prepare
@@ -254,7 +254,7 @@ def test_validation_problems_are_found_before_training_starts(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "train", str(cfg)],
+        [sys.executable, "-m", "launch.cli", "train", str(cfg)],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -189,14 +189,14 @@ def test_hostile_names_reach_python_verbatim_and_run_nothing(stage: str, stubs, 
             "--rdzv-conf=join_timeout=900",
             "--max-restarts=0",
         ]
-        assert argv[9:] == ["-m", "pipeline.cli", "train", TINY, *over, "train.checkpoint.resume=auto"]
+        assert argv[9:] == ["-m", "launch.cli", "train", TINY, *over, "train.checkpoint.resume=auto"]
         # torchrun must survive Slurm's USR1: it starts with the signal ignored.
         assert _usr1_ignored(calls[0]["sigign"])
         srun_options = stubs["srun_log"].read_text().split()
         assert "--ntasks-per-node=2" in srun_options and "--cpus-per-task=2" in srun_options
         assert (tmp_path / "local tmp" / "tester" / "triton-7").is_dir()
     else:
-        assert argv == ["-m", "pipeline.cli", stage, TINY, *over]
+        assert argv == ["-m", "launch.cli", stage, TINY, *over]
     # #SBATCH lines: sbatch reads shell quoting; % doubled so %j in a name is not expanded.
     out = next(o for o in sbatch_options(script) if o.startswith("--output="))
     assert "%%j" in out and out.endswith(f"/slurm/{stage}-%j.out'")
@@ -390,11 +390,11 @@ def test_slurm_sweep_arrays_select_their_runs_overrides(tmp_path: Path, stubs, c
     assert "--array=0-3%1" in opts and "--ntasks=1" in opts and "--requeue" not in opts
 
     (train,) = run_script(train_script, stubs, tmp_path, SLURM_ARRAY_TASK_ID="2")
-    tail = ["-m", "pipeline.cli", "train", TINY, *runs[2].overrides, "train.checkpoint.resume=auto"]
+    tail = ["-m", "launch.cli", "train", TINY, *runs[2].overrides, "train.checkpoint.resume=auto"]
     assert train["argv"][-len(tail) :] == tail
     stubs["py_log"].unlink()
     (ev,) = run_script(eval_script, stubs, tmp_path, SLURM_ARRAY_TASK_ID="3")
-    assert ev["argv"] == ["-m", "pipeline.cli", "eval", TINY, *runs[3].overrides]
+    assert ev["argv"] == ["-m", "launch.cli", "eval", TINY, *runs[3].overrides]
 
 
 def test_slurm_sweep_submits_prepare_then_train_array_then_eval_array(tmp_path: Path, monkeypatch) -> None:

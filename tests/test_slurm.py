@@ -245,9 +245,9 @@ def probe_job(cluster: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     ]
     cfg = load_config([], over)
     script = sl.render_sbatch(cfg, [], over, "train")
-    assert script.count("-m pipeline.cli train ") == 1
+    assert script.count("-m launch.cli train ") == 1
     path = tmp / "train.sbatch"
-    path.write_text(script.replace("-m pipeline.cli train ", f"{probe} {marks} "))  # same launch, probe
+    path.write_text(script.replace("-m launch.cli train ", f"{probe} {marks} "))  # same launch, probe
     log_dir = cfg.run_dir / "slurm"
     log_dir.mkdir(parents=True)  # sbatch does not create it (launch_slurm does)
     job = sl.sbatch_submit(path)

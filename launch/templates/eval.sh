@@ -1,2 +1,2 @@
 echo "fpa: job ${SLURM_JOB_ID} eval on $(hostname)"
-"$PY" -m pipeline.cli eval "${CONFIGS[@]}" "${OVERRIDES[@]}"
+"$PY" -m launch.cli eval "${CONFIGS[@]}" "${OVERRIDES[@]}"

@@ -1,2 +1,2 @@
 echo "fpa: job ${SLURM_JOB_ID} prepare on $(hostname)"
-"$PY" -m pipeline.cli prepare "${CONFIGS[@]}" "${OVERRIDES[@]}"
+"$PY" -m launch.cli prepare "${CONFIGS[@]}" "${OVERRIDES[@]}"

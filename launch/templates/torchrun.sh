@@ -19,4 +19,4 @@ srun --kill-on-bad-exit=1 --ntasks-per-node={{TASKS_PER_NODE}} --cpus-per-task={
     --nnodes="$SLURM_NTASKS" --nproc-per-node={{NPROC}} \
     --rdzv-backend=c10d --rdzv-endpoint="${head_node}:${rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \
     --rdzv-conf=join_timeout={{RDZV_TIMEOUT}} --max-restarts=0 \
-    -m pipeline.cli train "${CONFIGS[@]}" "${OVERRIDES[@]}" train.checkpoint.resume=auto
+    -m launch.cli train "${CONFIGS[@]}" "${OVERRIDES[@]}" train.checkpoint.resume=auto

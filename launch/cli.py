@@ -22,7 +22,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig, load_config, to_yaml
+from data_prep.errors import DataError
+from launch.slurm import launch_slurm
+from launch.sweep import collect_sweep, run_sweep
+from pipeline.config import ConfigError, RunConfig, derive, load_config, to_yaml
+from pipeline.stages import STAGES, export_dir, run_eval, run_prepare, run_train
+
+# The CLI sits above every layer (launch -> pipeline -> fpa_model, data_prep). Modules that import torch or
+# deepspeed (checkpoint, export, train, the synthetic experiment) are imported inside the commands that
+# need them, so that `fpa print-config`, `fpa launch slurm --dry-run` and `fpa --help` start in a blink.
 
 log = logging.getLogger("fpa")
 
@@ -45,38 +53,29 @@ def cmd_print_config(args: argparse.Namespace) -> int:
     cfg = _config(args)
     print(to_yaml(cfg), end="")
     if args.derived:
-        from pipeline.config import derive
-
         print(f"# derived (world size {args.world_size}): {derive(cfg, args.world_size)}")
     return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pipeline.stages import run_prepare
-
     result = run_prepare(_config(args), force=args.force)
     log.info("prepare: %s", {k: v for k, v in result.items() if not isinstance(v, dict | list)})
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.stages import run_train
-
     run_train(_config(args), force=args.force)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from pipeline.stages import run_eval
-
     run_eval(_config(args), checkpoint=Path(args.checkpoint) if args.checkpoint else None, force=args.force)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipeline.checkpoint import find_latest
+    from pipeline.checkpoint import find_latest  # torch: see the note on imports above
     from pipeline.export import export
-    from pipeline.stages import export_dir
 
     cfg = _config(args)
     ckpt = Path(args.checkpoint) if args.checkpoint else find_latest(cfg.run_dir / "checkpoints")
@@ -96,7 +95,7 @@ def _torchrun_train(items: list[str], nproc: int, force: bool) -> None:
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "pipeline.cli",
+        "launch.cli",
         "train",
         *items,
     ] + (["--force"] if force else [])
@@ -109,13 +108,11 @@ def _torchrun_train(items: list[str], nproc: int, force: bool) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipeline.stages import run_eval, run_prepare, run_train
-
     cfg = _config(args)
     stages = args.stages.split(",")
-    bad = [s for s in stages if s not in ("prepare", "train", "eval")]
+    bad = [s for s in stages if s not in STAGES]
     if bad:
-        raise ConfigError(f"unknown stage(s) {bad}; stages are prepare, train, eval")
+        raise ConfigError(f"unknown stage(s) {bad}; stages are {', '.join(STAGES)}")
     if "prepare" in stages:
         run_prepare(cfg, force=args.force)
     if "train" in stages:
@@ -134,8 +131,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from launch.slurm import launch_slurm
-
     paths, overrides = _split(args.items)
     load_config(paths, overrides)  # fail fast, before anything is rendered
     launch_slurm(paths, overrides, dry_run=args.dry_run)
@@ -143,8 +138,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from launch.sweep import collect_sweep, run_sweep
-
     if args.collect:
         print(collect_sweep(Path(args.sweep)))
     else:
@@ -228,8 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     """Bad input or a stopped run: reported as one line (anything else is a bug and keeps its traceback)."""
-    from data_prep.errors import DataError
-    from pipeline.checkpoint import CheckpointError
+    from pipeline.checkpoint import CheckpointError  # torch: see the note on imports above
     from pipeline.export import ExportError
     from pipeline.train import TrainingError
 
