@@ -6,25 +6,35 @@ and its running minimum r_j = min_{j <= t <= now} phi_t. The bias of key j for a
     fpa: b_ij = min(r_j, min_{now < t <= i} phi_t) - phi_j  <=  r_j - phi_j
     fox: b_ij = phi_i - phi_j                               <=  phi_now - phi_j   (phi never rises)
 
-so once r_j - phi_j < -delta, key j stays below -delta for every future query and can be dropped for good
-(shared/design/FPA.md, "KV cache compression"). Dropped keys are removed from the tensors (each head keeps
-its own set; heads are padded to the largest kept count and the padding is masked), so memory shrinks.
+so once r_j - phi_j < -delta_j, key j stays below -delta_j for every future query and can be dropped for
+good (docs/design.md, "KV cache eviction"). Dropped keys are removed from the tensors (each head keeps its
+own set; heads are padded to the largest kept count and the padding is masked), so memory shrinks.
 
-The threshold. Relative to the query's own (diagonal) key, which is never evicted and has b_ii = 0, the
-weight of key j is exp(scale q.(k_j - k_i) + b_ij) <= exp(2 scale |q| k_max + b_ij). With
+The threshold, per key. Relative to the query's own (diagonal) key, which is never evicted and has
+b_ii = 0, key j weighs w_ij = exp(scale q_i.(k_j - k_i) + b_ij) <= exp(scale Q (|k_j| + K) + b_ij), where
+Q and K bound the norms of every future query and key. Each key position p gets a share c(p) of a mass
+budget with sum_p c(p) <= 1 over all positions, p = 0, 1, 2, ... without end, and key j is evicted when
 
-    delta = 2 * scale * (s q_max) * (s k_max) + log N + margin
+    r_j - phi_j < -delta_j,   delta_j = scale Q (|k_j| + K) + margin - log c(p_j).
 
-every evicted key then weighs less than exp(-margin) / N, so all evicted keys together carry less than
-exp(-margin) of the softmax mass at any later query, and each attention output moves by less than
-2 exp(-margin) max|v|. q_max and k_max must bound *future* queries and keys, which are unknown: we use the
-largest norm seen so far in that layer and head (eviction starts after the first prefill chunk, so the
-estimate comes from at least that many tokens) times a slack factor s (CacheConfig.norm_slack, default
-1.25), and N is the larger of the tokens seen and the expected total length (`max_tokens`). The bound is
-therefore sound for any continuation whose query and key norms stay within s times those seen before. With
-qk_norm the norms have a hard ceiling, sqrt(Dh) * max|RMSNorm weight|, which `KVCache.for_model` passes in
-and which then replaces the estimate: the bound holds outright. A fixed `delta` (CacheConfig.delta)
-overrides the bound.
+Then w_ij < exp(-margin) c(p_j) for every later query i, so all keys ever evicted together weigh less
+than exp(-margin) times the query's own key: they carry less than exp(-margin) of the softmax mass of any
+later query, however long the sequence grows, and each attention output moves by less than
+2 exp(-margin) max|v| (per layer, given that layer's inputs). The budget (`key_budget_log`):
+
+    max_tokens = N:    c(p) = 1 / (2N) for p < N, and half a convergent tail, c(p) ~ 1/(p ln^2 p), beyond;
+    max_tokens = None: c(p) = 1 / (G0 (p+2) ln^2(p+2)) for every p (G0 bounds the series' sum).
+
+So -log c(p) is log 2N inside the expected length (log 2 more than a bound that is only valid up to N) and
+about log p + 2 log log p past it: keys evicted early can no longer add up to more than the budget as the
+sequence grows (a threshold using the tokens seen so far, log(seen), sums to ~ln(T / t0) budgets).
+
+Q and K. With qk_norm they are hard ceilings, sqrt(Dh) * max|RMSNorm weight| (`KVCache.for_model` passes
+them in) and the guarantee holds outright. Without qk_norm future norms are unknown: Q and K are the largest
+norms seen so far in that layer and head times `norm_slack` (default 1.25), and the guarantee holds for
+every continuation whose query and key norms stay within that (eviction starts after the first prefill
+chunk, so the estimate comes from at least that many tokens). A fixed `delta` overrides the bound and
+guarantees nothing.
 
 Softmax never evicts. With eviction off, decoding reproduces the full forward pass to fp32 tolerance.
 """
@@ -41,6 +51,29 @@ from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
 
+# An upper bound on sum_{n>=2} 1 / (n ln^2 n): the n = 2 term plus the integral of 1 / (x ln^2 x) from 2.
+_TAIL_SUM_BOUND = 1.0 / (2.0 * math.log(2.0) ** 2) + 1.0 / math.log(2.0)
+_ROUND_UP = 1e-5  # the fp32 rounding of -log c(p) must not raise c(p)
+
+
+def key_budget_log(pos: Tensor, horizon: int | None) -> Tensor:
+    """-log c(p) for key positions p (any shape): the share c(p) of the exp(-margin) mass budget that an
+    evicted key at position p may take, with sum over p = 0, 1, 2, ... of c(p) <= 1.
+
+    g(p) = 1 / ((p+2) ln^2(p+2)) is decreasing, so sum_{p>=M} g(p) <= integral from M+1 of 1/(x ln^2 x)
+    = 1 / ln(M+1). horizon N: c(p) = 1/(2N) for p < N (half the budget), c(p) = g(p) ln(N+1) / 2 beyond
+    (the other half at most). horizon None: c(p) = g(p) / _TAIL_SUM_BOUND.
+    """
+    x = pos.double() + 2.0
+    tail = torch.log(x) + 2.0 * torch.log(torch.log(x))
+    if horizon is None:
+        return (tail + math.log(_TAIL_SUM_BOUND) + _ROUND_UP).float()
+    if horizon < 1:
+        raise ValueError(f"the eviction horizon max_tokens must be >= 1; got {horizon}")
+    tail = tail + math.log(2.0) - math.log(math.log(horizon + 1.0))
+    head = torch.full_like(tail, math.log(2.0 * horizon))
+    return (torch.where(pos < horizon, head, tail) + _ROUND_UP).float()
+
 
 @dataclass
 class EvictionPolicy:
@@ -50,7 +83,9 @@ class EvictionPolicy:
     delta: float | None = None  # fixed threshold; None: the sound bound
     margin: float = 2.0  # exp(-margin) bounds the total softmax mass of all evicted keys
     norm_slack: float = 1.25  # future |q|, |k| assumed <= norm_slack * the largest seen so far
-    max_tokens: int | None = None  # expected total length: log N uses max(tokens seen, max_tokens)
+    # Expected total length N: half the budget spread evenly over positions < N (cheapest up to N), half
+    # over a convergent tail beyond it. None: the tail alone. Sound at every length either way.
+    max_tokens: int | None = None
     record: bool = False  # keep a log of evictions (tests and analysis)
 
 
@@ -63,7 +98,7 @@ class Eviction:
     head: Tensor  # (n,)
     pos: Tensor  # (n,) absolute key positions
     bias: Tensor  # (n,) r_j - phi_j at eviction time
-    delta: Tensor  # (n,) the threshold used
+    delta: Tensor  # (n,) the threshold used for each key
 
 
 class LayerCache:
@@ -121,18 +156,19 @@ class LayerCache:
         return self.kept() / (b * h * self.seen)
 
     def threshold(self) -> Tensor:
-        """delta per (batch, head), (B,H) fp32."""
+        """delta_j of every cached key, (B,H,C) fp32 (see the module docstring)."""
         assert self.q_max is not None and self.k_max is not None
+        assert self.k is not None and self.pos is not None
         p = self.policy
         if p.delta is not None:
-            return torch.full_like(self.q_max, float(p.delta))
-        n = max(self.seen, p.max_tokens or 0, 1)
+            return torch.full(self.pos.shape, float(p.delta), device=self.k.device)
         s = p.norm_slack
-        assert self.k is not None
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.k.shape[-1])
         q = torch.full_like(self.q_max, self.q_bound) if self.q_bound is not None else s * self.q_max
         k = torch.full_like(self.k_max, self.k_bound) if self.k_bound is not None else s * self.k_max
-        return 2.0 * scale * q * k + math.log(n) + p.margin
+        k_j = self.k.float().norm(dim=-1)  # cached keys are known: their own norm, no slack
+        norms = scale * q[..., None] * (k_j + k[..., None])
+        return norms + p.margin + key_budget_log(self.pos, p.max_tokens)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -221,13 +257,13 @@ class LayerCache:
             assert self.phi_last is not None
             bias = self.phi_last[..., None] - self.phi
         delta = self.threshold()
-        drop = self.valid & (bias < -delta[..., None])
+        drop = self.valid & (bias < -delta)
         if not bool(drop.any()):
             return
         if self.policy.record:
             bi, hi, ci = drop.nonzero(as_tuple=True)
             self.log.append(
-                Eviction(self.seen, bi, hi, self.pos[bi, hi, ci], bias[bi, hi, ci], delta[bi, hi])
+                Eviction(self.seen, bi, hi, self.pos[bi, hi, ci], bias[bi, hi, ci], delta[bi, hi, ci])
             )
         keep = self.valid & ~drop
         new_cap = int(keep.sum(-1).max())

@@ -98,13 +98,35 @@ class PasskeyTrainConfig:
 
 
 @dataclass
+class SpikeGuardConfig:
+    """Loss spikes: a step whose loss exceeds factor x the median of the last `window` accepted step losses
+    is skipped like a non-finite one (no update, counted) or stops training. Judged once `window` losses
+    are in; the window is part of the checkpoint, so a resumed run judges exactly as an uninterrupted one."""
+
+    factor: float = 0.0  # 0: off; else > 1 (e.g. 3.0)
+    window: int = 50  # accepted steps the running median is taken over
+    action: str = "skip"  # skip (drop the step, record it) | stop
+
+    def __post_init__(self) -> None:
+        if self.factor != 0:
+            _check_number("train.spike_guard.factor", self.factor, low=1, open_low=True)
+        if self.window < 1:
+            raise ValueError(f"train.spike_guard.window must be >= 1; got {self.window}")
+        if self.action not in ("skip", "stop"):
+            raise ValueError(f"train.spike_guard.action must be skip or stop; got {self.action!r}")
+
+
+@dataclass
 class TrainConfig:
     micro_batch: int = 8  # sequences per rank per micro step
     grad_accum: int = 1
     max_steps: int = 200
     lr: float = 2e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay; pipeline.schedule)
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays
+    decay_shape: str = "sqrt"  # wsd: linear | cosine | sqrt (1 - sqrt(progress))
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
@@ -112,7 +134,11 @@ class TrainConfig:
     # auto: bf16 on CUDA where zero_stage >= 1, else fp32 (resolve_precision; load_config records the result)
     precision: str = "auto"  # auto | fp32 | bf16
     nan_policy: str = "skip"  # skip (drop the step, record it) | stop
-    max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss
+    max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss (or spikes)
+    spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # LM head + cross-entropy over chunks of this many tokens, never all fp32 logits at once (0: off)
+    loss_chunk_tokens: int = 0
     adam_eps: float = 1e-8
     # MFU denominator per rank in FLOP/s (e.g. 989e12 for H100 bf16); None: a measured matmul peak.
     peak_flops_per_rank: float | None = None
@@ -131,6 +157,18 @@ class TrainConfig:
             raise ValueError(_BF16_ZERO0)
         if self.nan_policy not in ("skip", "stop"):
             raise ValueError(f"train.nan_policy must be skip or stop; got {self.nan_policy!r}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"train.schedule must be cosine or wsd; got {self.schedule!r}")
+        if self.decay_shape not in ("linear", "cosine", "sqrt"):
+            raise ValueError(f"train.decay_shape must be linear, cosine or sqrt; got {self.decay_shape!r}")
+        _check_number("train.decay_fraction", self.decay_fraction, low=0, high=1, open_low=True)
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"train.loss_chunk_tokens must be >= 0; got {self.loss_chunk_tokens}")
+        if self.loss_chunk_tokens and self.zero_stage == 3:
+            raise ValueError(
+                "train.loss_chunk_tokens needs train.zero_stage <= 2 (ZeRO-3 gathers the LM head's weight "
+                "only inside the head's own forward); set train.loss_chunk_tokens=0 or a lower stage"
+            )
         for key in ("micro_batch", "grad_accum", "max_steps", "log_every", "val_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1; got {getattr(self, key)}")
@@ -221,7 +259,7 @@ class PasskeyConfig:
 @dataclass
 class CacheConfig:
     evict: bool = True  # also run the passkey grid with FPA/FoX key eviction (softmax never evicts)
-    delta: float | None = None  # None: the sound bound 2 max|q| max|k| scale + log N + margin
+    delta: float | None = None  # None: the sound bound per key (fpa_model/cache.py); a number: fixed
     margin: float = 2.0  # evicted keys together carry < exp(-margin) of any later query's softmax mass
     # Future |q|, |k| are assumed to stay below norm_slack x the largest seen so far (the bound's max|q|).
     norm_slack: float = 1.25

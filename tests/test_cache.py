@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from fpa_model.cache import EvictionPolicy, KVCache, LayerCache, decode_step, generate, prefill
+from fpa_model.cache import (
+    EvictionPolicy,
+    KVCache,
+    LayerCache,
+    decode_step,
+    generate,
+    key_budget_log,
+    prefill,
+)
 from fpa_model.ops.fpa.naive import fpa_attention_naive, fpa_bias_naive
 
 
@@ -238,8 +246,64 @@ def test_qk_norm_gives_hard_norm_bounds() -> None:
         assert float(lc.q_max.max()) <= lc.q_bound * (1 + 1e-5)
         assert float(lc.k_max.max()) <= lc.k_bound * (1 + 1e-5)
         scale = 1 / math.sqrt(d)
-        expect = 2 * scale * lc.q_bound * lc.k_bound + math.log(30) + 2.0
-        torch.testing.assert_close(lc.threshold(), torch.full_like(lc.q_max, expect))
+        k_j = lc.k.float().norm(dim=-1)
+        assert float(k_j.max()) <= lc.k_bound * (1 + 1e-5)
+        expect = scale * lc.q_bound * (k_j + lc.k_bound) + key_budget_log(lc.pos, None) + 2.0
+        torch.testing.assert_close(lc.threshold(), expect)
     plain = _model("fpa")
     _, c2 = prefill(plain, idx, policy=EvictionPolicy(enabled=True), chunk_size=10)
     assert all(lc.q_bound is None for lc in c2.layers)
+
+
+@pytest.mark.parametrize("horizon", [None, 1, 7, 128, 4096])
+def test_key_budget_sums_to_at_most_one(horizon: int | None) -> None:
+    """The shares c(p) = exp(-key_budget_log(p)) of the eviction budget, summed over every position there
+    will ever be, stay <= 1: the first 2M positions exactly, the rest by the integral bound."""
+    n = 2_000_000
+    c = torch.exp(-key_budget_log(torch.arange(n), horizon).double())
+    assert bool((c[1:] <= c[:-1] * (1 + 1e-6)).all()) or horizon is not None  # decreasing past the head
+    # sum_{p >= n} g(p) <= 1 / ln(n + 1), g(p) = 1 / ((p+2) ln^2(p+2)); c(p) = g(p) * factor beyond n.
+    factor = float(c[-1]) * (n + 1) * math.log(n + 1) ** 2
+    total = float(c.sum()) + factor / math.log(n + 1)
+    assert total <= 1.0
+    if horizon is not None:
+        # Half the budget spread evenly inside the horizon: cheaper thresholds there than past it.
+        assert float(c[:horizon].sum()) == pytest.approx(0.5, rel=1e-4)
+        assert float(c[horizon - 1]) > float(c[horizon])
+
+
+@pytest.mark.parametrize("max_tokens", [None, 40])
+@pytest.mark.parametrize("margin", [1.0, 2.0])
+def test_early_evictions_cannot_add_up(max_tokens: int | None, margin: float) -> None:
+    """An adversarial field: each episode puts a key at a fresh level, then dips just past that key's
+    threshold and never lower again, so every evicted key keeps its weight just under the threshold for
+    all later queries. The weights of all evicted keys at the last query, relative to its own key, must
+    stay below exp(-margin) (a threshold from the tokens seen so far, log(seen) + margin, sums to about
+    exp(-margin) ln(T / t0) / 2 here, twice the budget). q = k = 0, so the field alone decides."""
+    d, episodes = 4, 150
+    lc = LayerCache("fpa", EvictionPolicy(enabled=True, margin=margin, max_tokens=max_tokens, record=True))
+    zeros = torch.zeros(1, 1, 1, d)
+    phis: list[float] = [0.0] * 8
+    lc.attend(*(torch.zeros(1, 1, 8, d),) * 3, torch.zeros(1, 1, 8))
+
+    def add(value: float) -> None:
+        phis.append(value)
+        lc.attend(zeros, zeros, zeros, torch.full((1, 1, 1), value))
+
+    level, dips = 0.0, []
+    for _ in range(episodes):
+        add(level)
+        thr = float(lc.threshold()[0, 0, -1])  # the newest key's delta
+        dips.append(level - thr - 0.2)
+        add(dips[-1])
+        level += 20.0
+    add(level)  # the last query, above every dip
+    assert all(a < b for a, b in zip(dips, dips[1:])), "dips must rise, or old keys would sink further"
+    evicted = torch.cat([ev.pos for ev in lc.log])
+    assert len(evicted) >= episodes - 5, "the field should evict (nearly) every episode key"
+    phi = torch.tensor(phis, dtype=torch.float64)
+    last = len(phis) - 1
+    bias = torch.stack([phi[j:].min() - phi[j] for j in evicted.tolist()])
+    weight = float(torch.exp(bias).sum())  # relative to the last query's own key (logit 0, bias 0)
+    assert weight < math.exp(-margin), (weight, math.exp(-margin))
+    assert last not in evicted.tolist()

@@ -1,0 +1,173 @@
+"""How much of the KV cache each eviction threshold keeps, and what retrieval it leaves: the sound bound
+(with the expected length as horizon, as `fpa eval` uses it, and without a horizon) beside fixed
+thresholds, on the passkey grid of a trained run.
+
+    python bench/cache_bound.py --run runs/tiny          # after `make demo`
+    python bench/cache_bound.py --run runs/tiny --deltas 2 4 6 8 --trials 10
+
+Writes docs/results/cache_bound/result.{json,md} (or --out) with the commit, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import provenance, provenance_md, write_result  # noqa: E402
+from data_prep.index import load_index  # noqa: E402
+from data_prep.tokenizer import load_tokenizer  # noqa: E402
+from fpa_model.cache import EvictionPolicy  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.evaluation.passkey import _cell_keys, passkey_lengths, run_cell  # noqa: E402
+from pipeline.export import load_exported  # noqa: E402
+
+
+def policies(margin: float, norm_slack: float, deltas: list[float]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, EvictionPolicy keywords without max_tokens; "horizon" says whether to pass the length)."""
+    out: list[tuple[str, dict[str, Any]]] = [
+        ("full cache", {"enabled": False, "horizon": False}),
+        (f"sound, horizon = length (margin {margin:g})", {"enabled": True, "horizon": True}),
+        (f"sound, no horizon (margin {margin:g})", {"enabled": True, "horizon": False}),
+    ]
+    out += [
+        (f"fixed delta = {d:g} (no guarantee)", {"enabled": True, "delta": d, "horizon": False})
+        for d in deltas
+    ]
+    for _, kw in out:
+        kw.setdefault("delta", None)
+        kw.update(margin=margin, norm_slack=norm_slack)
+    return out
+
+
+def _model_commit(run: Path) -> str | None:
+    try:
+        return json.loads((run / "git.json").read_text()).get("sha")
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, default=Path("runs/tiny"), help="a trained run directory")
+    ap.add_argument("--deltas", type=float, nargs="*", default=[0.5, 2.0, 4.0, 8.0])
+    ap.add_argument("--trials", type=int, default=None, help="prompts per cell (default: the run's eval)")
+    ap.add_argument("--margin", type=float, default=None, help="default: the run's eval.cache.margin")
+    ap.add_argument("--out", type=Path, default=None, help="default: docs/results/cache_bound")
+    args = ap.parse_args(argv)
+
+    run = args.run.resolve()
+    if not (run / "config.yaml").is_file() or not (run / "export" / "model.safetensors").is_file():
+        ap.error(f"{run} is not a trained run (needs config.yaml and export/model.safetensors)")
+    cfg = load_config([run / "config.yaml"], [f"runs_dir={run.parent}", f"name={run.name}"])
+    pk, cc = cfg.eval.passkey, cfg.eval.cache
+    margin = cc.margin if args.margin is None else args.margin
+    trials = args.trials or pk.trials
+    torch.manual_seed(0)
+    model = load_exported(run / "export").eval()
+    if model.cfg.attention.kind == "softmax":
+        ap.error("softmax attention never evicts: pick an fpa or fox run")
+    tokenizer = load_tokenizer(cfg.data_dir)
+    index = load_index(cfg.data_dir)
+    lengths = passkey_lengths(index.seq_len, list(pk.length_multipliers))
+    depths = [float(d) for d in pk.depths]
+
+    rows = []
+    for label, kw in policies(margin, cc.norm_slack, args.deltas):
+        horizon = kw.pop("horizon")
+        t0 = time.time()
+        per_length = {}
+        for L in lengths:
+            policy = EvictionPolicy(**kw, max_tokens=L if horizon else None)
+            cells = [
+                run_cell(
+                    model,
+                    tokenizer,
+                    length=L,
+                    depth=d,
+                    keys=_cell_keys(pk.seed, L, d, trials, pk.digits),
+                    digits=pk.digits,
+                    policy=policy,
+                    chunk_size=cc.prefill_chunk if policy.enabled else None,
+                    prefix_ids=[index.eod_id],
+                    device=torch.device("cpu"),
+                )
+                for d in depths
+            ]
+            per_length[str(L)] = {
+                "accuracy": sum(c["correct"] for c in cells) / sum(c["trials"] for c in cells),
+                "kept": sum(c["cache_fraction"] for c in cells) / len(cells),
+                "kept_per_layer": [
+                    sum(c["cache_fraction_per_layer"][i] for c in cells) / len(cells)
+                    for i in range(len(cells[0]["cache_fraction_per_layer"]))
+                ],
+            }
+        rows.append({"policy": label, **kw, "horizon": horizon, "per_length": per_length})
+        print(
+            f"{label:45s} "
+            + "  ".join(f"{L}: {v['accuracy']:.2f} / {v['kept']:.0%}" for L, v in per_length.items())
+            + f"  ({time.time() - t0:.0f} s)",
+            flush=True,
+        )
+
+    prov = provenance(None if argv is None else ["bench/cache_bound.py", *argv])
+    data = {
+        "run": str(args.run),
+        # The commit the model was trained at (the run's git.json); provenance has the bench's own.
+        "model_commit": _model_commit(run),
+        "kind": model.cfg.attention.kind,
+        "seq_len": index.seq_len,
+        "lengths": lengths,
+        "depths": depths,
+        "trials_per_cell": trials,
+        "digits": pk.digits,
+        "margin": margin,
+        "norm_slack": cc.norm_slack,
+        "prefill_chunk": cc.prefill_chunk,
+        "rows": rows,
+        "provenance": prov,
+    }
+    head = "| eviction threshold | " + " | ".join(f"{L} ({L // index.seq_len}x)" for L in lengths) + " |"
+    lines = [
+        "# KV-cache eviction: passkey accuracy / cache kept, by threshold",
+        "",
+        provenance_md(prov),
+        "",
+        f"Run `{args.run}` ({model.cfg.attention.kind}, trained at {(data['model_commit'] or '?')[:10]}), "
+        f"{trials} prompts x {len(depths)} depths per length, "
+        f"{pk.digits}-digit keys, prefill chunks of {cc.prefill_chunk}. Each cell: accuracy / fraction of "
+        "the cache kept at the end of the prompt (mean over heads, layers and prompts).",
+        "",
+        head,
+        "|---" * (len(lengths) + 1) + "|",
+    ]
+    last = str(lengths[-1])
+    lines_layers = [
+        "",
+        f"Kept per layer at {last} tokens: "
+        + "; ".join(
+            f"{r['policy'].split(' (')[0]}: "
+            + ", ".join(f"{f:.0%}" for f in r["per_length"][last]["kept_per_layer"])
+            for r in rows
+        ),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | "
+            + " | ".join(f"{v['accuracy']:.2f} / {v['kept']:.0%}" for v in r["per_length"].values())
+            + " |"
+        )
+    out = write_result("cache_bound", data, "\n".join(lines + lines_layers), args.out)
+    print(f"wrote {out}/result.json and result.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
