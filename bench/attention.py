@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fpa_model.config import ATTENTION_KINDS  # noqa: E402
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402
 from fpa_model.ops.fpa.naive import fpa_attention_naive  # noqa: E402
 
@@ -97,7 +98,7 @@ def check_correctness(bs: int) -> None:
     q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
     phi = torch.randn(1, 2, 96, generator=g).cumsum(-1)
     dout = torch.randn(1, 2, 96, 16, generator=g)
-    for kind in ("fpa", "fox", "softmax"):
+    for kind in ATTENTION_KINDS:
         res = []
         for fn in (
             lambda *x, kind=kind: chunked_fpa_attention(*x, kind=kind, block_size=min(bs, 32)),

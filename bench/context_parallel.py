@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fpa_model.config import ATTENTION_KINDS  # noqa: E402
 from fpa_model.context_parallel import (  # noqa: E402
     context_parallel_attention,
     shard_sequence,
@@ -144,7 +145,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--block", type=int, default=64)
-    p.add_argument("--kind", default="fpa", choices=["fpa", "fox", "softmax"])
+    p.add_argument("--kind", default="fpa", choices=ATTENTION_KINDS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--variants", nargs="+", default=["zigzag", "contiguous", "ulysses"],

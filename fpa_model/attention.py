@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpa_model.config import AttentionConfig
+from fpa_model.context_parallel import SequenceParallel, sequence_parallel_attention
 from fpa_model.ops.fpa import fpa_attention
 
 
@@ -70,16 +71,21 @@ class Attention(nn.Module):
         n_head: number of heads (d_model must be divisible by it).
         cfg: the attention section of the model config.
         max_seq_len: length the RoPE table is precomputed for (longer sequences extend it on the fly).
+        sequence_parallel: attend across the ranks of a sequence-parallel group (forward then takes and
+            returns this rank's part of the sequence); None: the whole sequence is here. GPT passes it on
+            with GPT.set_sequence_parallel.
     """
 
-    # Sequence parallelism, set per layer by fpa_model.context_parallel.enable_sequence_parallel: the
-    # process group sharing one sequence (None: off), how the sequence is split, ring or ulysses.
-    sp_group: object | None = None
-    sp_layout: str = "zigzag"
-    sp_mode: str = "ring"
-
-    def __init__(self, d_model: int, n_head: int, cfg: AttentionConfig, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        cfg: AttentionConfig,
+        max_seq_len: int,
+        sequence_parallel: SequenceParallel | None = None,
+    ) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         if d_model % n_head:
             raise ValueError(f"model.d_model ({d_model}) must be divisible by model.n_head ({n_head})")
         self.d_model = d_model
@@ -204,14 +210,37 @@ class Attention(nn.Module):
         return fpa_attention(q, k, v, phi, kind=self.kind, impl=self.cfg.impl, block_size=self.cfg.block_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model)."""
-        if self.sp_group is not None:  # x is this rank's part of the sequence
-            from fpa_model.context_parallel import attention_forward_sp
+        """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model).
 
-            return attention_forward_sp(self, x)
+        Under sequence parallelism x (B, T/W, d_model) is this rank's part of the sequence and so is the
+        result; the attention op then runs across the group.
+        """
+        if self.sequence_parallel is not None:
+            return self._forward_sequence_parallel(x, self.sequence_parallel)
         q, k, v, u = self.project(x)
         phi = self.field_from_increments(u)
         return self.output(self.attend(q, k, v, phi), x)
+
+    def _forward_sequence_parallel(self, x: Tensor, sp: SequenceParallel) -> Tensor:
+        # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute
+        # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks.
+        ids = sp.local_chunks()
+        if x.shape[1] % len(ids):
+            raise ValueError(
+                f"local sequence length {x.shape[1]} is not divisible by {len(ids)} ({sp.layout} layout)"
+            )
+        c = x.shape[1] // len(ids)
+        if self.use_rope and len(ids) > 1:
+            parts = [self.project(xc, pos_offset=i * c) for i, xc in zip(ids, x.split(c, dim=1))]
+            q, k, v = (torch.cat([p[j] for p in parts], dim=2) for j in range(3))
+            u = None if parts[0][3] is None else torch.cat([p[3] for p in parts], dim=-1)
+        else:
+            q, k, v, u = self.project(x, pos_offset=ids[0] * c)
+        o = sequence_parallel_attention(
+            q, k, v, u, sp, kind=self.kind, field=self.field_mode or "walk", block_size=self.cfg.block_size,
+            impl=self.cfg.impl,
+        )  # fmt: skip
+        return self.output(o, x)
 
     def extra_repr(self) -> str:
         return (

@@ -5,9 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# The one list of each choice: the ops, the ring and the configs import these (no torch here, so the
+# configs stay quick to load).
 ATTENTION_KINDS = ("fpa", "fox", "softmax")
 FIELD_MODES = ("walk", "gate", "direct")
 ATTENTION_IMPLS = ("auto", "naive", "chunked", "triton")
+# Sequence parallelism (fpa_model.context_parallel): how a sequence is cut over ranks, how they attend.
+SP_LAYOUTS = ("zigzag", "contiguous")
+SP_MODES = ("ring", "ulysses")
 
 
 @dataclass

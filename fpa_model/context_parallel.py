@@ -50,20 +50,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
+from fpa_model.config import ATTENTION_IMPLS, FIELD_MODES, SP_LAYOUTS, SP_MODES
+from fpa_model.ops.fpa import chunked, fpa_attention
 from fpa_model.ops.fpa.naive import KINDS
 
-LAYOUTS = ("zigzag", "contiguous")
-FIELDS = ("walk", "gate", "direct")
-_OPS: Any = None  # fpa_model.ops.fpa.chunked (the block functions), imported on first use
+LAYOUTS = SP_LAYOUTS
+FIELDS = FIELD_MODES
 
 # ----------------------------------------------------------------------------------------------------
 # Layout: which chunks of the sequence a rank holds
@@ -144,85 +145,6 @@ def _check_layout(layout: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Process groups and the loss
-
-
-def make_groups(sequence_degree: int) -> tuple[Any, Any, int, int, int]:
-    """Split the default world into data-parallel x sequence-parallel groups.
-
-    Ranks of one sequence-parallel group are consecutive (global rank = dp_rank * sp + sp_rank), so on a
-    multi-GPU node the ring stays on the node. Every rank must call this (new_group is collective).
-    Returns (dp_group, sp_group, dp_rank, dp_world, sp_rank); dp_group holds the ranks with the same
-    sp_rank (the ones that average gradients), sp_group the ranks sharing one sequence.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("make_groups needs torch.distributed to be initialized first")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if sequence_degree < 1 or world % sequence_degree:
-        raise ValueError(
-            f"parallel.sequence={sequence_degree} must be >= 1 and divide the world size {world}"
-        )
-    sp, dp = sequence_degree, world // sequence_degree
-    dp_group = sp_group = None
-    # Every rank creates every group, in the same order (a collective requirement of new_group).
-    for d in range(dp):
-        g = dist.new_group([d * sp + s for s in range(sp)])
-        if rank // sp == d:
-            sp_group = g
-    for s in range(sp):
-        g = dist.new_group([d * sp + s for d in range(dp)])
-        if rank % sp == s:
-            dp_group = g
-    return dp_group, sp_group, rank // sp, dp, rank % sp
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Forward: all-reduce sum. Backward: identity, so each rank's gradient is its own share of d(sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        y = x.detach().clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
-        return g, None
-
-
-def sequence_parallel_cross_entropy(
-    logits: Tensor, targets: Tensor, group: Any, *, ignore_index: int = -100, grad_scale: float = 1.0
-) -> Tensor:
-    """Mean token cross-entropy over the whole sequence-parallel group, from this rank's logits/targets.
-
-    The value is the same on every rank of the group (the single-process loss of the full sequences).
-    The backward gives every rank the gradient of that global mean w.r.t. its own logits, so summing
-    parameter gradients over the group gives the single-process gradient. An engine that AVERAGES
-    gradients over all dp x sp ranks (DeepSpeed with the whole world as its data-parallel group) needs
-    grad_scale = sp degree to get the single-process gradient times 1/dp, i.e. the usual dp average.
-    """
-    lf = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # bf16 -> fp32
-    loss_sum = F.cross_entropy(
-        lf.reshape(-1, lf.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
-    count = (targets != ignore_index).sum().to(loss_sum.dtype)
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        total_sum, total_count = loss_sum, count
-    else:
-        total_sum = _SumOverGroup.apply(loss_sum, group)
-        total_count = count.clone()
-        dist.all_reduce(total_count, group=group)
-    loss = total_sum / total_count.clamp_min(1)
-    if grad_scale != 1.0:
-        # Same value, gradient scaled: keeps logged losses comparable across sp degrees.
-        loss = loss * grad_scale - (loss * (grad_scale - 1.0)).detach()
-    return loss
-
-
-# ----------------------------------------------------------------------------------------------------
 # Ring communication
 
 
@@ -259,26 +181,17 @@ class _Ring:
             w.wait()
 
 
-def _ops() -> Any:
-    global _OPS
-    if _OPS is None:
-        from fpa_model.ops.fpa import chunked
-
-        _OPS = chunked
-    return _OPS
-
-
 # Which block functions compute the chunk pairs: "chunked" (fpa_model.ops.fpa.chunked, PyTorch, any device,
 # row-tiled) or "triton" (fpa_model.ops.fpa.triton_kernel, whole chunks). "auto" picks Triton for CUDA
 # tensors it supports, "naive" (the layer's impl for tests) means chunked: the ring has no naive form.
-RING_IMPLS = ("auto", "naive", "chunked", "triton")
+RING_IMPLS = ATTENTION_IMPLS
 _BLOCK_FNS = ("fpa_cross_forward", "fpa_cross_backward", "fpa_diag_forward", "fpa_diag_backward")
 _TRITON_BLOCK: int | None = None  # the Triton blocks' tile (None: autotuned); tests pin small tiles
 
 
 def _triton_blocks_unusable(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why the Triton blocks cannot run these tensors here, or None if they can."""
-    try:
+    try:  # imported here: triton is slow to import and may be missing or broken
         from fpa_model.ops.fpa import triton_kernel as tk
     except Exception as e:  # no triton, or a broken install
         return f"{type(e).__name__}: {e}"
@@ -310,8 +223,8 @@ def _resolve_impl(impl: str, q: Tensor, k: Tensor, v: Tensor) -> str:
 def _block_fns(impl: str) -> Any:
     """The four block functions of `impl` (same signatures; the Triton ones get the ring's tile size)."""
     if impl == "chunked":
-        return _ops()
-    from fpa_model.ops.fpa import triton_kernel as tk
+        return chunked
+    from fpa_model.ops.fpa import triton_kernel as tk  # here: triton is slow to import
 
     return SimpleNamespace(**{n: partial(getattr(tk, n), block_size=_TRITON_BLOCK) for n in _BLOCK_FNS})
 
@@ -387,7 +300,7 @@ class _Field:
         uc = u.detach().float().unflatten(-1, (n_local, -1))  # (B,H,n,c)
         cumulative = field in ("walk", "gate")
         cs = uc.cumsum(-1) if cumulative else uc
-        mn, am = _ops().block_min(cs)  # lowest argmin among ties
+        mn, am = chunked.block_min(cs)  # lowest argmin among ties
         tot = cs[..., -1] if cumulative else torch.zeros_like(mn)
         stats = torch.stack([tot, mn, am.to(mn.dtype)], dim=-1).permute(2, 0, 1, 3)  # (n,B,H,3)
         g = _all_gather_chunks(stats, group, world, layout)  # (N,B,H,3): the one collective of the forward
@@ -401,7 +314,7 @@ def _query_prefix(phi_q: Tensor | None, kind: str) -> tuple[Tensor | None, Tenso
     """Prefix minima of a query chunk's field (fpa only): folded into M for row tiles after the first."""
     if kind != "fpa" or phi_q is None:
         return None, None
-    return _ops().prefix_min(phi_q)
+    return chunked.prefix_min(phi_q)
 
 
 def _tile_m(kind: str, m: Tensor | None, pmin: Tensor | None, s: int) -> tuple[Tensor | None, Tensor | None]:
@@ -429,7 +342,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         rows: int,
         impl: str,
     ) -> Tensor:
-        ops, blk = _ops(), _block_fns(impl)
+        ops, blk = chunked, _block_fns(impl)
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
@@ -505,7 +418,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, phi, out, lse, minima, argmin = ctx.saved_tensors
         kind, field, layout, group, scale, rows, impl, has_u = ctx.meta
-        ops, blk = _ops(), _block_fns(impl)
+        ops, blk = chunked, _block_fns(impl)
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
@@ -787,8 +700,6 @@ def ulysses_attention(
     4 (q, k, v, out) x T/W x H x D per rank and needs O(T) activations per rank for H/W heads; the ring
     moves K/V W-1 times but never holds the full sequence.
     """
-    from fpa_model.ops.fpa import fpa_attention
-
     rank, world = _group_info(group)
     if q.shape[1] % world:
         raise ValueError(
@@ -816,72 +727,49 @@ def ulysses_attention(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model integration
+# What an attention layer is given to attend across ranks
 
 
-SP_MODES = ("ring", "ulysses")
+@dataclass(frozen=True)
+class SequenceParallel:
+    """The parallel context of an attention layer whose input is one rank's part of the sequence.
+
+    group: the ranks sharing one sequence (a torch.distributed group; None: the default world group);
+    layout: how the sequence is cut over them (LAYOUTS); mode: "ring" (context_parallel_attention) or
+    "ulysses" (all-to-all over heads, ulysses_attention). Process groups are made by the trainer
+    (pipeline.sequence_parallel.make_groups); the model only receives them here.
+    """
+
+    group: Any = None
+    layout: str = "zigzag"
+    mode: str = "ring"
+
+    def __post_init__(self) -> None:
+        _check_layout(self.layout)
+        if self.mode not in SP_MODES:
+            raise ValueError(f"unknown sequence-parallel mode {self.mode!r}; expected one of {SP_MODES}")
+
+    def local_chunks(self) -> tuple[int, ...]:
+        """The chunk indices this rank holds, ascending (its tokens are these chunks, concatenated)."""
+        rank, world = _group_info(self.group)
+        return chunk_ids(rank, world, self.layout)
 
 
-def attention_forward_sp(
-    attn: Any, x: Tensor, group: Any = None, *, layout: str | None = None, mode: str | None = None
+def sequence_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u_or_phi: Tensor | None,
+    sp: SequenceParallel,
+    *,
+    kind: str = "fpa",
+    field: str = "walk",
+    block_size: int = 64,
+    impl: str = "auto",
 ) -> Tensor:
-    """What fpa_model.attention.Attention.forward computes, for x (B, T/W, d_model) = this rank's tokens.
-
-    group / layout / mode default to the layer's sp_group / sp_layout / sp_mode (enable_sequence_parallel
-    sets them). Projections, qk-norm and the field increments are per token; RoPE gets each chunk's
-    absolute offset (a zigzag rank holds two chunks far apart); the attention op runs across the group.
-    """
-    group = getattr(attn, "sp_group", None) if group is None else group
-    layout = getattr(attn, "sp_layout", "zigzag") if layout is None else layout
-    mode = getattr(attn, "sp_mode", "ring") if mode is None else mode
-    rank, world = _group_info(group)
-    ids = chunk_ids(rank, world, layout)
-    c = x.shape[1] // len(ids)
-    if x.shape[1] % len(ids):
-        raise ValueError(
-            f"local sequence length {x.shape[1]} is not divisible by {len(ids)} ({layout} layout)"
-        )
-    if getattr(attn, "use_rope", False) and len(ids) > 1:
-        parts = [attn.project(xc, pos_offset=i * c) for i, xc in zip(ids, x.split(c, dim=1))]
-        q, k, v = (torch.cat([p[j] for p in parts], dim=2) for j in range(3))
-        u = None if parts[0][3] is None else torch.cat([p[3] for p in parts], dim=-1)
-    else:
-        q, k, v, u = attn.project(x, pos_offset=ids[0] * c)
-    common = {"kind": attn.kind, "field": attn.field_mode or "walk", "group": group, "layout": layout}
-    if mode == "ulysses":
-        o = ulysses_attention(q, k, v, u, **common, block_size=attn.cfg.block_size, impl=attn.cfg.impl)
-    elif mode == "ring":
-        o = context_parallel_attention(
-            q, k, v, u, **common, block_size=attn.cfg.block_size, impl=attn.cfg.impl
-        )
-    else:
-        raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {SP_MODES}")
-    return attn.output(o, x)
-
-
-def enable_sequence_parallel(
-    model: torch.nn.Module, group: Any, *, layout: str = "zigzag", mode: str = "ring"
-) -> int:
-    """Make every Attention layer of `model` attend across `group` (None switches back); returns the count.
-
-    mode "ring" (context_parallel_attention, default) or "ulysses" (all-to-all over heads).
-    The model's forward then takes this rank's tokens (shard_batch) and returns this rank's logits; use
-    sequence_parallel_cross_entropy for the loss. Layers see the group through Attention.sp_group.
-    """
-    from fpa_model.attention import Attention
-
-    _check_layout(layout)
-    if mode not in SP_MODES:
-        raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {SP_MODES}")
-    if not hasattr(Attention, "sp_group"):
-        raise RuntimeError(
-            "fpa_model.attention.Attention has no sp_group hook; sequence parallelism needs it"
-        )
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.sp_group = group
-            m.sp_layout = layout
-            m.sp_mode = mode
-            n += 1
-    return n
+    """context_parallel_attention or ulysses_attention over sp's group and layout, as sp.mode says."""
+    attend = ulysses_attention if sp.mode == "ulysses" else context_parallel_attention
+    return attend(
+        q, k, v, u_or_phi, kind=kind, field=field, group=sp.group, layout=sp.layout, block_size=block_size,
+        impl=impl,
+    )  # fmt: skip

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from fpa_model.attention import Attention, RMSNorm
 from fpa_model.config import ModelConfig
+from fpa_model.context_parallel import SequenceParallel
 
 
 class SwiGLU(nn.Module):
@@ -90,6 +91,16 @@ class GPT(nn.Module):
         """Mean next-token cross entropy (fp32) of logits(idx) against targets (B,T)."""
         logits = self(idx)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def set_sequence_parallel(self, sp: SequenceParallel | None) -> int:
+        """Every attention layer attends across sp's group (None: whole sequences here); returns the count.
+
+        forward then takes this rank's part of the sequence (fpa_model.context_parallel.shard_batch) and
+        returns this rank's logits; the trainer makes the groups (pipeline.sequence_parallel).
+        """
+        for block in self.blocks:
+            block.attn.sequence_parallel = sp
+        return len(self.blocks)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Unique parameter count (a tied head counts once); non_embedding drops the token embedding."""

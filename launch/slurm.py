@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.config import ConfigError, RunConfig, derive, load_config
+from pipeline.stages import STAGES
 
-STAGES = ("prepare", "train", "eval")
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

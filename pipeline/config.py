@@ -29,7 +29,7 @@ from omegaconf.errors import (
 )
 
 from data_prep.config import DataConfig
-from fpa_model.config import ModelConfig
+from fpa_model.config import SP_LAYOUTS, SP_MODES, ModelConfig
 
 log = logging.getLogger("fpa")
 
@@ -228,11 +228,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.sequence < 1:
             raise ValueError(f"parallel.sequence must be >= 1; got {self.sequence}")
-        if self.sequence_mode not in ("ring", "ulysses"):
-            raise ValueError(f"parallel.sequence_mode must be ring or ulysses; got {self.sequence_mode!r}")
-        if self.sequence_layout not in ("zigzag", "contiguous"):
+        if self.sequence_mode not in SP_MODES:
+            modes = " or ".join(SP_MODES)
+            raise ValueError(f"parallel.sequence_mode must be {modes}; got {self.sequence_mode!r}")
+        if self.sequence_layout not in SP_LAYOUTS:
             raise ValueError(
-                f"parallel.sequence_layout must be zigzag or contiguous; got {self.sequence_layout!r}"
+                f"parallel.sequence_layout must be {' or '.join(SP_LAYOUTS)}; got {self.sequence_layout!r}"
             )
 
 

@@ -208,7 +208,8 @@ def micro_loss(
         x, y = batch_to_xy(batch, device)
         logits = engine(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten()), y.numel()
-    from fpa_model.context_parallel import sequence_parallel_cross_entropy, shard_batch, shard_sequence
+    from fpa_model.context_parallel import shard_batch, shard_sequence
+    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
 
     if isinstance(batch, tuple):  # (inputs, targets), e.g. passkey rows with ignored targets
         x, y = (shard_sequence(t.long(), sp.rank, sp.degree, dim=1, layout=sp.layout) for t in batch)
@@ -483,7 +484,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory | None) -> dict[str, Any]:
     d = derive(cfg, info.world_size)
     dp_rank, dp_world, sp = info.rank, d.data_parallel, None
     if d.sequence_parallel > 1:
-        from fpa_model.context_parallel import make_groups
+        from pipeline.sequence_parallel import make_groups
 
         _, sp_group, dp_rank, dp_world, sp_rank = make_groups(d.sequence_parallel)
         sp = _SeqParallel(sp_group, sp_rank, d.sequence_parallel, cfg.parallel.sequence_layout)
@@ -514,9 +515,9 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory | None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     if sp is not None:
-        from fpa_model.context_parallel import enable_sequence_parallel
+        from fpa_model.context_parallel import SequenceParallel
 
-        enable_sequence_parallel(model, sp.group, layout=sp.layout, mode=cfg.parallel.sequence_mode)
+        model.set_sequence_parallel(SequenceParallel(sp.group, sp.layout, cfg.parallel.sequence_mode))
     n_params = model.num_parameters()
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     if info.is_main:

@@ -26,13 +26,13 @@ from fpa_model.context_parallel import (
     chunk_ids,
     context_parallel_attention,
     local_positions,
-    make_groups,
     shard_batch,
     shard_sequence,
     ulysses_attention,
     unshard_sequence,
 )
 from fpa_model.ops.fpa.naive import fpa_attention_naive
+from pipeline.sequence_parallel import make_groups
 
 TOL = 1e-4  # fp32 ranks vs a float64 oracle, errors relative to the largest reference entry
 SEQ = 48  # divisible by 2W for W = 2, 4 (zigzag) and gives chunks of 6 or 12 tokens
@@ -160,7 +160,7 @@ def _check_groups(rank: int, world: int) -> dict[str, object]:
 
 def _sp_loss_check(rank: int, world: int) -> dict[str, float]:
     """sequence_parallel_cross_entropy on sharded logits vs the full-batch loss and its gradient."""
-    from fpa_model.context_parallel import sequence_parallel_cross_entropy
+    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 16, 7, generator=g, dtype=torch.float64)
@@ -190,8 +190,9 @@ GPT_CASES = [
 def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     """Tiny GPT: loss and every parameter gradient of a sequence-parallel step vs the 1-rank step."""
     from fpa_model.config import AttentionConfig, ModelConfig
-    from fpa_model.context_parallel import enable_sequence_parallel, sequence_parallel_cross_entropy
+    from fpa_model.context_parallel import SequenceParallel
     from fpa_model.model import GPT
+    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
 
     out: dict[str, dict[str, float]] = {}
     block_impls: list[str] = []
@@ -211,10 +212,10 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
         sp_model = GPT(cfg)
         ref_model = copy.deepcopy(sp_model)
         tokens = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(1))
-        ref_loss = ref_model.loss(tokens[:, :-1], tokens[:, 1:])
+        ref_loss = F.cross_entropy(ref_model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
         ref_loss.backward()
 
-        assert enable_sequence_parallel(sp_model, dist.group.WORLD, mode=mode) == cfg.n_layer
+        assert sp_model.set_sequence_parallel(SequenceParallel(dist.group.WORLD, mode=mode)) == cfg.n_layer
         x, y = shard_batch(tokens, rank, world)
         loss = sequence_parallel_cross_entropy(sp_model(x), y, dist.group.WORLD)
         loss.backward()
@@ -293,13 +294,10 @@ def _spawn(world: int, tmp_root: Path, extra: tuple[str, ...] = ()) -> list[dict
 
 
 def _extras(world: int) -> tuple[str, ...]:
-    """The GPT check rides on the 2-rank spawn once the Attention hook exists (one spawn, not two)."""
-    from fpa_model.attention import Attention
-
+    """The loss, Triton-ring and GPT checks ride on the 2-rank spawn (one spawn, not two)."""
     if world != 2:
         return ()
-    extras = ("_sp_loss_check", "_triton_ring")
-    return (*extras, "_gpt_sp_step") if hasattr(Attention, "sp_group") else extras
+    return ("_sp_loss_check", "_triton_ring", "_gpt_sp_step")
 
 
 @pytest.fixture(scope="module")
@@ -352,10 +350,6 @@ def test_ring_on_triton_blocks_matches_single_process(
 def test_gpt_sequence_parallel_step_matches_one_rank(
     kind: str, field: str, mode: str, impl: str, tmp_root: Path
 ) -> None:
-    from fpa_model.attention import Attention
-
-    if not hasattr(Attention, "sp_group"):
-        pytest.skip("fpa_model.attention.Attention has no sp_group hook yet")
     results = _spawn(2, tmp_root, _extras(2))
     for rank, res in enumerate(results):
         r = res["_gpt_sp_step"]
@@ -482,7 +476,7 @@ def test_bf16_inputs_keep_dtype_and_track_fp32() -> None:
 
 def test_sp_cross_entropy_single_rank_value_and_grad_scale() -> None:
     """One rank: the plain mean cross-entropy (ignored targets excluded); grad_scale scales only gradients."""
-    from fpa_model.context_parallel import sequence_parallel_cross_entropy
+    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
 
     logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
     targets = torch.tensor([[1, 2, 3, -100, 4, 5], [6, 7, 8, 9, 10, -100]])

@@ -14,10 +14,9 @@ import warnings
 
 import torch
 
+from fpa_model.config import ATTENTION_IMPLS as IMPLS
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention
 from fpa_model.ops.fpa.naive import KINDS, fpa_attention_naive, fpa_bias_naive
-
-IMPLS = ("auto", "naive", "chunked", "triton")
 
 
 def _load_triton():

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-KINDS = ("fpa", "fox", "softmax")
+from fpa_model.config import ATTENTION_KINDS as KINDS
 
 
 def fpa_bias_naive(phi: torch.Tensor, kind: str = "fpa", tq: int | None = None) -> torch.Tensor:
