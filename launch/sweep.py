@@ -354,82 +354,6 @@ def _run_local(sweep: Sweep, *, dry_run: bool, runner: Runner) -> list[str]:
 
 # -- collecting --------------------------------------------------------------------------------------
 
-# Columns of the comparison, read from report.json (pipeline/evaluation/report.py documents the schema).
-METRICS = (
-    "final_val_loss",
-    "ppl_train_len",  # validation perplexity at the training length
-    "ppl_longest",  # ... at the longest length evaluated
-    "passkey_accuracy",  # full KV cache
-    "passkey_accuracy_compressed",  # with FPA/FoX eviction
-    "cache_fraction",  # kept keys / tokens seen with eviction
-)
-
-
-def _number(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-        return None
-    return float(x)
-
-
-def _by_length(x: Any) -> dict[int, float]:
-    """{"<tokens>": value} -> {tokens: value}, skipping what is not a number."""
-    out: dict[int, float] = {}
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if str(k).isdigit() and _number(v) is not None:
-                out[int(k)] = float(v)
-    return out
-
-
-def _passkey(x: Any) -> float | None:
-    # A number, or an older/other eval's {"accuracy": ...} mapping.
-    return _number(x) if not isinstance(x, dict) else _number(x.get("accuracy"))
-
-
-def ppl_curve(x: Any) -> tuple[list[float], list[float]] | None:
-    """(bucket start, perplexity) at the longest length in report["ppl_by_position"], which holds
-    {"<tokens>": {"bucket_start": [...], "loss": [...]}} with losses in nats."""
-    best: tuple[int, list[tuple[float, float]]] | None = None
-    for k, v in (x if isinstance(x, dict) else {}).items():
-        if not str(k).isdigit() or not isinstance(v, dict):
-            continue
-        starts, losses = v.get("bucket_start"), v.get("loss")
-        if not isinstance(starts, list) or not isinstance(losses, list):
-            continue
-        pairs = [
-            (float(a), math.exp(min(float(b), 50.0)))
-            for a, b in zip(starts, losses)
-            if _number(a) is not None and _number(b) is not None
-        ]
-        if pairs and (best is None or int(k) > best[0]):
-            best = (int(k), pairs)
-    return ([a for a, _ in best[1]], [b for _, b in best[1]]) if best else None
-
-
-def read_report(path: Path) -> tuple[str, dict[str, float | None], tuple[list[float], list[float]] | None]:
-    """(status, metrics, ppl curve) of one run's eval report; status is ok | missing | unreadable.
-    Missing or malformed figures are None, never an error: a sweep with failed runs still collects."""
-    empty: dict[str, float | None] = dict.fromkeys(METRICS)
-    if not path.is_file():
-        return "missing", empty, None
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return "unreadable", empty, None
-    if not isinstance(report, dict):
-        return "unreadable", empty, None
-    ppl = _by_length(report.get("perplexity"))
-    seq_len = report.get("seq_len")
-    metrics = {
-        "final_val_loss": _number(report.get("final_val_loss")),
-        "ppl_train_len": ppl.get(seq_len) if isinstance(seq_len, int) else None,
-        "ppl_longest": ppl[max(ppl)] if ppl else None,
-        "passkey_accuracy": _passkey(report.get("passkey_accuracy", report.get("passkey"))),
-        "passkey_accuracy_compressed": _passkey(report.get("passkey_accuracy_compressed")),
-        "cache_fraction": _number(report.get("cache_fraction")),
-    }
-    return "ok", metrics, ppl_curve(report.get("ppl_by_position"))
-
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
@@ -444,7 +368,15 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 def collect_sweep(path: str | Path) -> Path:
     """Gather every run's <run_dir>/eval/report.json into results.md, results.csv and results.png
     under <runs_dir>/sweeps/<name>/ (missing values show as "-"); return that folder."""
-    from pipeline.evaluation.report import compare_reports, load_report
+    # Here, not at the top: the evaluation package imports torch, which launching does not otherwise need.
+    from pipeline.evaluation.report import (
+        METRICS,
+        check_report,
+        compare_reports,
+        ppl_curve,
+        read_report,
+        report_metrics,
+    )
 
     sweep = load_sweep(path)
     keys = list(sweep.grid)
@@ -453,13 +385,15 @@ def collect_sweep(path: str | Path) -> Path:
     curves: dict[str, tuple[list[float], list[float]]] = {}
     complete: list[Path] = []  # runs whose report passes the strict schema check, for the detail tables
     for run in sweep.runs:
-        status, metrics, curve = read_report(run.run_dir / "eval" / "report.json")
+        path = run.run_dir / "eval" / "report.json"
+        status, report = read_report(path)
         grid_values = {short[k]: run.values[k] for k in keys}
-        table.append({"run": run.name, **grid_values, **metrics, "status": status})
+        table.append({"run": run.name, **grid_values, **report_metrics(report), "status": status})
+        curve = ppl_curve(report.get("ppl_by_position")) if report else None
         if curve:
             curves[run.name] = curve
         try:
-            load_report(run.run_dir)
+            check_report(report, path)
             complete.append(run.run_dir)
         except ValueError:
             pass
@@ -478,7 +412,7 @@ def collect_sweep(path: str | Path) -> Path:
     text = [f"# Sweep {sweep.name}\n", f"{len(table)} runs, {found} with an eval report ({sweep.path}).\n"]
     cells = [[_fmt(r[c]) if c in METRICS else str(r[c]) for c in columns] for r in table]
     text.append(_markdown(columns, cells))
-    summary = _group_summary(table, [short[k] for k in keys])
+    summary = _group_summary(table, [short[k] for k in keys], METRICS)
     if summary:
         text += ["## Mean ± std over seeds\n", summary]
     if complete:
@@ -488,7 +422,7 @@ def collect_sweep(path: str | Path) -> Path:
     return out
 
 
-def _group_summary(table: list[dict[str, Any]], grid_cols: list[str]) -> str:
+def _group_summary(table: list[dict[str, Any]], grid_cols: list[str], metrics: Sequence[str]) -> str:
     """Metrics averaged over the seed axis (if the grid has one), grouped by the other grid values."""
     if "seed" not in grid_cols:
         return ""
@@ -499,7 +433,7 @@ def _group_summary(table: list[dict[str, Any]], grid_cols: list[str]) -> str:
     rows = []
     for key, members in groups.items():
         cells = [str(v) for v in key]
-        for metric in METRICS:
+        for metric in metrics:
             vals = [m[metric] for m in members if m[metric] is not None]
             if not vals:
                 cells.append("-")
@@ -508,7 +442,7 @@ def _group_summary(table: list[dict[str, Any]], grid_cols: list[str]) -> str:
             else:
                 cells.append(f"{statistics.mean(vals):.4g} ± {statistics.stdev(vals):.2g} (n={len(vals)})")
         rows.append(cells)
-    return _markdown([*by, *METRICS], rows)
+    return _markdown([*by, *metrics], rows)
 
 
 def _plot(path: Path, title: str, table: list[dict[str, Any]], curves: dict[str, Any]) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from launch import slurm as sl
-from launch.sweep import collect_sweep, expand_sweep, format_value, load_sweep, ppl_curve, run_sweep
+from launch.sweep import collect_sweep, expand_sweep, format_value, load_sweep, run_sweep
 from pipeline.config import ConfigError, load_config
+from pipeline.evaluation.report import ppl_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -1,8 +1,8 @@
 """The evaluation report of one run (<run_dir>/eval/report.json + report.md) and a side-by-side comparison
 of several runs (sweeps over attention kinds).
 
-report.json keys (schema_version 1; sweep collection reads these, so they stay stable; a missing figure
-is null, never absent):
+report.json keys (schema_version 1; sweeps collect these through read_report below, so they stay stable;
+a missing figure is null, never absent):
 
     schema_version                        1
     run                                   run name
@@ -249,23 +249,115 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> tuple[Path, Path]:
     return pj, pm
 
 
-def load_report(run_dir: Path | str) -> dict[str, Any]:
-    """<run_dir>/eval/report.json, checked for the schema; ValueError naming the file otherwise."""
-    path = Path(run_dir) / "eval" / "report.json"
+# -- reading ------------------------------------------------------------------------------------------
+# One reader for every consumer: load_report (strict: the schema, or a ValueError naming the file) for
+# comparisons, read_report + report_metrics (lenient: a status and None for what is missing or malformed)
+# for collecting a sweep in which some runs failed.
+
+# The headline figures of a report, by name (a sweep's table columns).
+METRICS = (
+    "final_val_loss",
+    "ppl_train_len",  # validation perplexity at the training length
+    "ppl_longest",  # ... at the longest length evaluated
+    "passkey_accuracy",  # full KV cache
+    "passkey_accuracy_compressed",  # with FPA/FoX eviction
+    "cache_fraction",  # kept keys / tokens seen with eviction
+)
+
+
+def _parse(path: Path) -> Any:
+    """The JSON in path; ValueError (naming the file) when it is missing or not JSON."""
     if not path.is_file():
         raise ValueError(f"no evaluation report at {path} (run `fpa eval` first)")
     try:
-        report = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(report, dict) or report.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(
-            f"{path}: schema_version {report.get('schema_version')!r}, expected {SCHEMA_VERSION}"
-        )
+
+
+def check_report(report: Any, path: Path) -> dict[str, Any]:
+    """report itself if it follows the schema (this version, every key); ValueError naming path otherwise."""
+    version = report.get("schema_version") if isinstance(report, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {version!r}, expected {SCHEMA_VERSION}")
     missing = [k for k in REPORT_KEYS if k not in report]
     if missing:
         raise ValueError(f"{path}: missing keys {missing}")
     return report
+
+
+def load_report(run_dir: Path | str) -> dict[str, Any]:
+    """<run_dir>/eval/report.json, checked for the schema; ValueError naming the file otherwise."""
+    path = Path(run_dir) / "eval" / "report.json"
+    return check_report(_parse(path), path)
+
+
+def read_report(path: Path) -> tuple[str, dict[str, Any] | None]:
+    """(status, report) of a report.json, never an error: ok | missing | unreadable (not a JSON object)."""
+    if not path.is_file():
+        return "missing", None
+    try:
+        report = _parse(path)
+    except (OSError, ValueError):  # ValueError covers undecodable bytes and bad JSON
+        return "unreadable", None
+    return ("ok", report) if isinstance(report, dict) else ("unreadable", None)
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
+def _by_length(x: Any) -> dict[int, float]:
+    """{"<tokens>": value} -> {tokens: value}, skipping what is not a number."""
+    out: dict[int, float] = {}
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if str(k).isdigit() and _number(v) is not None:
+                out[int(k)] = float(v)
+    return out
+
+
+def _passkey(x: Any) -> float | None:
+    # A number, or an older/other eval's {"accuracy": ...} mapping.
+    return _number(x) if not isinstance(x, dict) else _number(x.get("accuracy"))
+
+
+def report_metrics(report: dict[str, Any] | None) -> dict[str, float | None]:
+    """The METRICS of a report (None for the report itself): each a finite number or None."""
+    if report is None:
+        return dict.fromkeys(METRICS)
+    ppl = _by_length(report.get("perplexity"))
+    seq_len = report.get("seq_len")
+    return {
+        "final_val_loss": _number(report.get("final_val_loss")),
+        "ppl_train_len": ppl.get(seq_len) if isinstance(seq_len, int) else None,
+        "ppl_longest": ppl[max(ppl)] if ppl else None,
+        "passkey_accuracy": _passkey(report.get("passkey_accuracy", report.get("passkey"))),
+        "passkey_accuracy_compressed": _passkey(report.get("passkey_accuracy_compressed")),
+        "cache_fraction": _number(report.get("cache_fraction")),
+    }
+
+
+def ppl_curve(x: Any) -> tuple[list[float], list[float]] | None:
+    """(bucket start, perplexity) at the longest length in report["ppl_by_position"], which holds
+    {"<tokens>": {"bucket_start": [...], "loss": [...]}} with losses in nats."""
+    best: tuple[int, list[tuple[float, float]]] | None = None
+    for k, v in (x if isinstance(x, dict) else {}).items():
+        if not str(k).isdigit() or not isinstance(v, dict):
+            continue
+        starts, losses = v.get("bucket_start"), v.get("loss")
+        if not isinstance(starts, list) or not isinstance(losses, list):
+            continue
+        pairs = [
+            (float(a), math.exp(min(float(b), 50.0)))
+            for a, b in zip(starts, losses)
+            if _number(a) is not None and _number(b) is not None
+        ]
+        if pairs and (best is None or int(k) > best[0]):
+            best = (int(k), pairs)
+    return ([a for a, _ in best[1]], [b for _, b in best[1]]) if best else None
 
 
 def compare_reports(run_dirs: list[Path | str]) -> str:
