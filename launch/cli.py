@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--collect", action="store_true", help="gather the runs' eval reports into one table")
     sp.set_defaults(fn=cmd_sweep)
 
-    # Parsed by pipeline.synthetic itself (main() hands it the rest of the command line).
+    # Parsed by experiments.synthetic itself (main() hands it the rest of the command line).
     sub.add_parser("synthetic", help="one-layer synthetic tasks: FPA vs FoX vs softmax heads (--help)")
     return p
 
@@ -231,7 +231,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["synthetic"]:
-        from pipeline.synthetic import main as synthetic_main
+        from experiments.synthetic import main as synthetic_main
 
         return synthetic_main(argv[1:])
     parser = build_parser()

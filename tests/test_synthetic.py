@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.synthetic import (
+from experiments.synthetic import (
     BOS,
     TASKS,
     SynthConfig,

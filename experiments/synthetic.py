@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpa_model.attention import Attention
-from fpa_model.config import AttentionConfig
+from fpa_model.config import ATTENTION_IMPLS, AttentionConfig
 from pipeline.atomic import atomic_write_text
 
 BOS = 0
@@ -676,7 +676,7 @@ def _plot(path: Path, records: list[dict], cfg: SynthConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipeline.synthetic [--quick] [--out DIR] [--tasks ..] [--kinds ..] [--seeds N]`."""
+    """`python -m experiments.synthetic [--quick] [--out DIR] [--tasks ..] [--kinds ..] [--seeds N]`."""
     p = argparse.ArgumentParser(prog="fpa synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/synthetic"), help="output directory")
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke version")
@@ -688,7 +688,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=SynthConfig.seq_len)
     p.add_argument("--d-model", type=int, default=SynthConfig.d_model)
     p.add_argument("--n-head", type=int, default=SynthConfig.n_head)
-    p.add_argument("--impl", default=SynthConfig.impl, choices=("auto", "naive", "chunked"))
+    # Every impl but triton: these tiny runs are CPU-sized.
+    impls = [i for i in ATTENTION_IMPLS if i != "triton"]
+    p.add_argument("--impl", default=SynthConfig.impl, choices=impls)
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.seeds is None:
         a.seeds = 1 if a.quick else 3
