@@ -7,16 +7,13 @@
     logger.finish()
 
 W&B runs offline by default (no network, `wandb sync` later); `logging.wandb_mode: online` uploads live.
-`read_wandb_file` parses an offline run's .wandb file (there is no public offline reader in wandb 0.31).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import secrets
-import struct
 import sys
 import time
 from pathlib import Path
@@ -24,6 +21,10 @@ from typing import Any
 
 from pipeline.config import RunConfig, to_yaml
 from pipeline.rundir import git_info
+
+# Set to 1, this turns logging.quiet_wandb on for every run of the process and its children, whatever the
+# configs say (the test suite sets it in tests/conftest.py: W&B then starts fast and quiet).
+QUIET_WANDB_ENV = "FPA_QUIET_WANDB"
 
 
 class RunLogger:
@@ -217,88 +218,6 @@ def make_logger(cfg: RunConfig, rank: int, run_id: str | None) -> RunLogger:
     if cfg.logging.wandb_mode == "disabled":
         console.run_id = run_id
         return console
-    test_mode = bool(os.environ.get("PYTEST_CURRENT_TEST")) or cfg.logging.quiet_wandb
-    wb = WandbLogger(cfg, run_id or new_run_id(), cfg.run_dir, test_mode=test_mode)
+    quiet = cfg.logging.quiet_wandb or os.environ.get(QUIET_WANDB_ENV, "") not in ("", "0")
+    wb = WandbLogger(cfg, run_id or new_run_id(), cfg.run_dir, test_mode=quiet)
     return MultiLogger(console, wb)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Reading an offline run back (tests, post-hoc checks)
-
-_BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) records
-_FILE_HEADER = 7  # ":W&B" + magic 0xBEE1 + version byte
-
-
-def _records(path: Path) -> list[bytes]:
-    data = path.read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B transaction log (bad header)")
-    out: list[bytes] = []
-    pos, partial = _FILE_HEADER, b""
-    while pos + 7 <= len(data):
-        room = _BLOCK - pos % _BLOCK
-        if room < 7:  # a block tail too short for a record header is zero padding
-            pos += room
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        pos += 7
-        chunk = data[pos : pos + length]
-        pos += length
-        if kind == 0 and length == 0:
-            break
-        if kind == 1:  # full
-            out.append(chunk)
-        elif kind == 2:  # first
-            partial = chunk
-        elif kind == 3:  # middle
-            partial += chunk
-        elif kind == 4:  # last
-            out.append(partial + chunk)
-    return out
-
-
-def read_wandb_file(path: str | Path) -> dict[str, Any]:
-    """Parse a run-<id>.wandb file: {"run_id", "config", "history": [{key: value}], "summary", "finished"}."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    path = Path(path)
-    # finished: the exit record is written (the W&B service may still be flushing just after finish()).
-    result: dict[str, Any] = {"run_id": None, "config": {}, "history": [], "summary": {}, "finished": False}
-
-    def key_of(item: Any) -> str:
-        return item.key or "/".join(item.nested_key)
-
-    for raw in _records(path):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
-        kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            result["run_id"] = rec.run.run_id
-            for item in rec.run.config.update:
-                result["config"][key_of(item)] = json.loads(item.value_json)
-        elif kind == "history":
-            result["history"].append({key_of(it): json.loads(it.value_json) for it in rec.history.item})
-        elif kind == "summary":
-            for item in rec.summary.update:
-                result["summary"][key_of(item)] = json.loads(item.value_json)
-        elif kind == "exit":
-            result["finished"] = True
-    return result
-
-
-def read_finished_wandb_file(path: str | Path, timeout_s: float = 30.0) -> dict[str, Any]:
-    """read_wandb_file once the segment's exit record is on disk (or raise TimeoutError)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rec = read_wandb_file(path)
-        if rec["finished"]:
-            return rec
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} has no exit record after {timeout_s} s")
-        time.sleep(0.1)
-
-
-def find_wandb_files(run_dir: str | Path, run_id: str) -> list[Path]:
-    """The .wandb files of one run id under <run_dir>/wandb, oldest first (one per resumed segment)."""
-    files = Path(run_dir, "wandb").glob(f"*-{run_id}/run-{run_id}.wandb")
-    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name))

@@ -166,7 +166,7 @@ def test_sigkill_then_resume_gives_the_same_curve(cfg_path, reference, tmp_path)
 
 @pytest.mark.slow
 def test_sigusr1_saves_requeues_and_resumes_same_wandb_run(cfg_path, reference, tmp_path):
-    from pipeline.logging import find_wandb_files, read_finished_wandb_file
+    from wandb_log import find_wandb_files, read_finished_wandb_file
 
     marker = tmp_path / "requeued.txt"
     over = [*BASE, "train.checkpoint.every=100", "logging.wandb_mode=offline", f"runs_dir={tmp_path}"]

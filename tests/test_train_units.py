@@ -159,7 +159,9 @@ def test_make_logger_rank_nonzero_is_noop(tmp_path):
 
 
 def test_wandb_offline_run_records_and_resumes(tmp_path):
-    from pipeline.logging import find_wandb_files, make_logger, read_finished_wandb_file
+    from wandb_log import find_wandb_files, read_finished_wandb_file
+
+    from pipeline.logging import make_logger
 
     cfg = load_config(
         [], [f"runs_dir={tmp_path}", "name=wb", "logging.quiet_wandb=true", "logging.progress=false"]
