@@ -834,16 +834,19 @@ class Tile(NamedTuple):
 # The GPU autotune lists (Hopper / Ampere), per head-dim bucket (64: D <= 64, 128: D <= 128). 64- and
 # 128-row tiles on the side that is the MMA's M (queries in fwd / dq, keys in dk/dv) so Hopper's warpgroup
 # MMA applies. docs/kernel_resources.md has the registers, spills and shared memory of every entry compiled
-# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills, except the
-# causal dq and dk/dv at D = 128, where every tile tried spills a little under one Triton version or the
-# other (the listed ones least). The routing does not depend on the tiles, so each kernel may pick any
-# entry of its list.
+# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills. At D = 128
+# the causal dk/dv kernel spills with 64 key rows under Triton 3.9 (80 B on sm_90), so its list holds
+# 32-row tiles (no warpgroup MMA there) until its registers shrink; dq keeps a 64-row tile at 1 stage.
+# The routing does not depend on the tiles, so each kernel may pick any entry of its list.
 GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
     "fwd": {64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)], 128: [Tile(128, 32, 8, 2)]},
-    "dq": {64: [Tile(64, 32, 4, 2), Tile(64, 16, 4, 2), Tile(128, 32, 8, 2)], 128: [Tile(64, 16, 8, 2)]},
+    "dq": {
+        64: [Tile(64, 32, 4, 2), Tile(64, 16, 4, 2), Tile(128, 32, 8, 2)],
+        128: [Tile(64, 16, 8, 1), Tile(32, 16, 8, 2)],
+    },
     "dkv": {
         64: [Tile(16, 64, 8, 2), Tile(16, 128, 8, 1), Tile(16, 64, 4, 1), Tile(32, 64, 8, 2)],
-        128: [Tile(16, 64, 8, 2)],
+        128: [Tile(16, 32, 8, 2), Tile(16, 32, 4, 2)],
     },
     "cross_fwd": {
         64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)],
