@@ -8,10 +8,10 @@ can reuse them piece by piece:
     o = fpa_attention(q, k, v, phi, kind=...)       # the attention op (naive / chunked / triton)
     y = attn.output(o, x)                           # optional output gate, merge heads, out projection
 
-Field parametrizations (shared/design/FPA.md): `walk` u = w_h.x + c_h and phi = cumsum(u); `gate`
-u = logsigmoid(w_h.x + c_h) and phi = cumsum(u) (kind "fox" always uses this one); `direct` u is the
-field value itself. The field is always computed in fp32: a long cumulative sum in bf16 loses the small
-increments that decide which keys survive.
+Field parametrizations (docs/design.md, "The first-passage bias"): `walk` u = w_h.x + c_h and
+phi = cumsum(u); `gate` u = logsigmoid(w_h.x + c_h) and phi = cumsum(u) (kind "fox" always uses this
+one); `direct` u is the field value itself. The field is always computed in fp32: a long cumulative
+sum in bf16 loses the small increments that decide which keys survive.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ of equal length and every rank holds some of them, concatenated in ascending ord
 - layout "contiguous": W chunks; rank r holds chunk r (T % W == 0).
 
 `shard_sequence` / `unshard_sequence` / `shard_batch` / `local_positions` convert between the full
-sequence and a rank's part. Everything below follows shared/design/FPA.md ("Sequence parallel across
-ranks", "Tiled computation"):
+sequence and a rank's part. Everything below follows docs/design.md ("Sequence parallel ring",
+"Tiled computation"):
 
 Field. Each rank passes the field increments u of its tokens (field "walk" or "gate": for gate the caller
 already applied logsigmoid, so both are a plain cumulative sum here) or the field values themselves

@@ -167,7 +167,7 @@ def test_gradients_through_cumsum_of_increments(kind, field):
 
 
 def test_fpa_with_gate_field_equals_fox():
-    """A non-increasing field puts every range min at the query: fpa == fox (FPA.md)."""
+    """A non-increasing field puts every range min at the query: fpa == fox (docs/design.md)."""
     q, k, v, phi, dout = _inputs(2, 2, 75, 75, 8, seed=11, field="gate")
     assert bool((phi[..., 1:] < phi[..., :-1]).all()), "the test field must be strictly decreasing"
     assert torch.equal(fpa_bias_naive(phi, "fpa"), fpa_bias_naive(phi, "fox"))

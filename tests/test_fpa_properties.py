@@ -1,4 +1,4 @@
-"""Properties of First Passage Attention (shared/design/FPA.md) on the oracle and on the chunked path.
+"""Properties of First Passage Attention (docs/design.md) on the oracle and on the chunked path.
 
 The chunked path's bias is read back from its attention weights: with q = 0 the logits are the bias
 alone, and with v = identity the output row i is softmax_j(b_ij), so b_ij = log out_ij - log out_ii.

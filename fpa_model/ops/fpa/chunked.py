@@ -1,7 +1,7 @@
 """Chunked (flash-style, O(T) memory) FPA attention in PyTorch with a hand-written backward.
 
 This is the CPU path of the model and the reference the Triton kernel and the sequence-parallel (ring)
-attention are built against. Math: shared/design/FPA.md ("Definition", "Tiled computation").
+attention are built against. Math: docs/design.md ("The first-passage bias", "Tiled computation").
 
 Kinds: "fpa"  b_ij = min_{j <= t <= i} phi_t - phi_j
        "fox"  b_ij = phi_i - phi_j

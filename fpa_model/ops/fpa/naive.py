@@ -3,7 +3,7 @@
 Shapes: q (B, H, Tq, D); k, v (B, H, Tk, D); phi (B, H, Tk), the field value at every key position.
 Queries are the last Tq positions of the key sequence (Tq == Tk for training, Tq < Tk for decode).
 
-Kinds (see shared/design/FPA.md):
+Kinds (docs/design.md, "The first-passage bias"):
 - "fpa":     b_ij = min_{j <= t <= i} phi_t - phi_j          (range-min, "first passage")
 - "fox":     b_ij = phi_i - phi_j                           (Forgetting Transformer; phi = cumsum log f)
 - "softmax": b_ij = 0

@@ -1,6 +1,7 @@
 """Triton kernels for the FPA attention family (fpa | fox | softmax): causal, flash-style, O(T) memory.
 
-Math (docs/FPA.md): logit_ij = scale * q_i . k_j + b_ij with
+Math (docs/design.md, "The first-passage bias"; this file's design: "The Triton kernel"):
+logit_ij = scale * q_i . k_j + b_ij with
     fpa:     b_ij = min_{j <= t <= i} phi_t - phi_j
     fox:     b_ij = phi_i - phi_j
     softmax: b_ij = 0
