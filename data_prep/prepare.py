@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from data_prep import passkey
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
 from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, sha256_file, write_index
@@ -501,8 +502,6 @@ def _mix_passkey(
     docs: Iterable[str], n_train: int, n_passkey: int, cfg: DataConfig, tok: Any
 ) -> Iterator[str]:
     """The train documents with n_passkey passkey documents inserted at seeded random positions."""
-    from data_prep import passkey
-
     per_filler = len(tok.encode(" " + passkey.FILLER, add_special_tokens=False).ids)
     key = 99999  # passkey_documents' default 5 digits; the longest key bounds the fixed part
     fixed_text = " " + passkey.NEEDLE.format(key=key) + " " + passkey.QUESTION + passkey.answer_text(key)

@@ -30,7 +30,7 @@ from typing import Any
 
 from data_prep.index import sha256_file
 from pipeline.atomic import atomic_write_text
-from pipeline.config import RunConfig, to_yaml
+from pipeline.config import RunConfig, from_yaml_text, to_yaml
 
 STAGES = ("prepare", "train", "eval")
 log = logging.getLogger("fpa")
@@ -110,8 +110,6 @@ class RunDir:
     def _only_vocab_resolved(self, saved: Path) -> bool:
         """True when the saved config differs only by training having filled in model.vocab_size from the
         data (not a change worth keeping in config_history)."""
-        from pipeline.config import from_yaml_text
-
         try:
             old = from_yaml_text(saved.read_text())
         except Exception:  # an unreadable or older-schema config is kept in history

@@ -17,11 +17,16 @@ from typing import Any
 
 import torch
 
+from data_prep.index import load_index
+from data_prep.tokenizer import load_tokenizer
 from fpa_model.cache import EvictionPolicy
 from pipeline.config import ConfigError, RunConfig
 from pipeline.evaluation.passkey import run_passkey
 from pipeline.evaluation.perplexity import run_perplexity
 from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_reports, load_report, write_report
+from pipeline.export import load_exported
+from pipeline.logging import make_logger
+from pipeline.rundir import RunDir
 
 log = logging.getLogger("fpa")
 
@@ -57,8 +62,6 @@ def pick_device(name: str) -> torch.device:
 
 def _train_result(cfg: RunConfig) -> dict[str, Any]:
     """The training stage's result from its manifest ({} when there is none or it is unreadable)."""
-    from pipeline.rundir import RunDir
-
     manifest = RunDir(cfg).read_manifest("train")  # warns and returns None on an unreadable manifest
     result = getattr(manifest, "result", None)
     return result if isinstance(result, dict) else {}
@@ -79,8 +82,6 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, logger: Any = No
     train_result = _train_result(cfg)
     own_logger = logger is None
     if own_logger:
-        from pipeline.logging import make_logger
-
         logger = make_logger(cfg, 0, train_result.get("wandb_run_id"))
     try:
         return _evaluate(cfg, checkpoint, logger, train_result)
@@ -111,10 +112,6 @@ def _passkey_training(cfg: RunConfig) -> dict[str, Any] | None:
 def _evaluate(
     cfg: RunConfig, checkpoint: Path | None, logger: Any, train_result: dict[str, Any]
 ) -> dict[str, Any]:
-    from data_prep.index import load_index
-    from data_prep.tokenizer import load_tokenizer
-    from pipeline.export import load_exported
-
     t0 = time.time()
     weights = resolve_weights(cfg, checkpoint)
     device = pick_device(cfg.eval.device)
