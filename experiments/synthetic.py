@@ -467,8 +467,8 @@ def _chance(task: Task, cfg: SynthConfig) -> float:
 def run_synthetic(
     out_dir: Path,
     *,
-    tasks: Sequence[str] = ("stack", "txn", "recency"),
-    kinds: Sequence[str] = ("fpa", "fox", "softmax", "softmax_rope"),
+    tasks: Sequence[str] = tuple(TASKS),
+    kinds: Sequence[str] = tuple(KINDS),
     seeds: Sequence[int] = (0, 1, 2),
     steps: int | None = None,
     quick: bool = False,
