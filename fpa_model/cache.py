@@ -42,6 +42,7 @@ Softmax never evicts. With eviction off, decoding reproduces the full forward pa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -384,6 +385,31 @@ def decode_step(model: torch.nn.Module, cache: KVCache, token: Tensor) -> Tensor
     return _forward_chunk(model, cache, token)[:, -1]
 
 
+def sample_next(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next tokens (B,) from logits (B,V): argmax when temperature is 0, else a draw from
+    softmax(logits / temperature) over the top_k most likely tokens (all when None), using generator
+    (the same seed gives the same draws)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0; got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1; got {top_k}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    scaled = logits.float() / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    # Drawn on the generator's device (CPU by default), so a seed gives the same tokens on any device.
+    dev = generator.device if generator is not None else probs.device
+    return torch.multinomial(probs.to(dev), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -393,8 +419,14 @@ def generate(
     policy: EvictionPolicy | None = None,
     chunk_size: int | None = None,
     eos_id: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    on_token: Callable[[Tensor], None] | None = None,
 ) -> tuple[Tensor, KVCache]:
-    """Greedy decoding: prompt idx (B,T) -> (new tokens (B, <= max_new_tokens), cache).
+    """Decoding: prompt idx (B,T) -> (new tokens (B, <= max_new_tokens), cache). Greedy by default;
+    temperature > 0 samples (sample_next: top_k, generator). on_token(tokens (B,)) is called as each step's
+    tokens are chosen (streaming).
 
     Stops early once every sequence has produced eos_id (later positions of finished rows repeat it).
     """
@@ -402,11 +434,13 @@ def generate(
     out: list[Tensor] = []
     done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for step in range(max_new_tokens):
-        nxt = logits.argmax(-1)
+        nxt = sample_next(logits, temperature, top_k, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             done |= nxt == eos_id
         out.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
         if step + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
             break
         logits = decode_step(model, cache, nxt)

@@ -5,6 +5,8 @@
     fpa eval CONFIG... [key=value ...]        passkey, perplexity by position, cache compression, report
     fpa run CONFIG... [key=value ...]         all stages in order, skipping those already done
     fpa export CONFIG... [key=value ...]      consolidated safetensors + config from a checkpoint
+                                              (--format hf: a transformers directory)
+    fpa generate CONFIG "prompt" [options]    text from the exported model, streamed (KV cache)
     fpa launch slurm CONFIG... [--dry-run]    render (and submit) the Slurm jobs of a run
     fpa sweep SWEEP.yaml [--local] [--collect]  an ablation grid as a Slurm job array (or locally)
     fpa print-config CONFIG... [key=value ...]  the fully resolved config
@@ -26,6 +28,7 @@ from data_prep.errors import DataError
 from launch.slurm import launch_slurm
 from launch.sweep import collect_sweep, run_sweep
 from pipeline.config import ConfigError, RunConfig, derive, load_config, to_yaml
+from pipeline.generate import add_parser as add_generate_parser
 from pipeline.stages import STAGES, export_dir, run_eval, run_prepare, run_train
 
 # The CLI sits above every layer (launch -> pipeline -> fpa_model, data_prep). Modules that import torch or
@@ -81,6 +84,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     ckpt = Path(args.checkpoint) if args.checkpoint else find_latest(cfg.run_dir / "checkpoints")
     if ckpt is None:
         raise ConfigError(f"no complete checkpoint under {cfg.run_dir / 'checkpoints'}")
+    if args.format == "hf":  # --checkpoint may also name an export dir (model.safetensors + config.yaml)
+        from pipeline.export import export_hf
+
+        out = export_hf(cfg, ckpt, Path(args.out) if args.out else cfg.run_dir / "export-hf")
+        print(out)
+        return 0
     out = export(cfg, ckpt, Path(args.out) if args.out else export_dir(cfg))
     print(out)
     return 0
@@ -192,8 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = with_items("export", "write consolidated safetensors weights + config from a checkpoint")
     sp.add_argument("--checkpoint", help="a checkpoint dir (default: the latest complete one)")
-    sp.add_argument("--out", help="output dir (default: <run_dir>/export)")
+    sp.add_argument("--out", help="output dir (default: <run_dir>/export, or <run_dir>/export-hf for hf)")
+    sp.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors + config.yaml (default), or hf: a transformers directory (pip install -e .[hf])",
+    )
     sp.set_defaults(fn=cmd_export)
+
+    add_generate_parser(sub)
 
     sp = with_items("print-config", "print the fully resolved config")
     sp.add_argument("--derived", action="store_true", help="also print derived values (global batch, ...)")

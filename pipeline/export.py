@@ -8,6 +8,10 @@ Nothing here runs code from a file: checkpoint files are verified (checksums, we
 with an allowlist: pipeline.checkpoint) before anything reads them, DeepSpeed's consolidation runs with
 torch.load forced to weights_only, and an export carries checksums.json, checked by `load_exported`
 together with the weights being finite (a corrupted export is an error, not a NaN perplexity).
+
+`export_hf` writes the same weights as a Hugging Face transformers directory (config.json with auto_map,
+model.safetensors, the code files of pipeline/hf, which import the installed fpa_model package, and a fast
+tokenizer with the end-of-document token as eos): `fpa export --format hf`.
 """
 
 from __future__ import annotations
@@ -163,3 +167,90 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu") -> GPT:
     except RuntimeError as e:
         raise ExportError(f"{weights} does not fit {config}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval()
+
+
+# -- Hugging Face transformers format (`fpa export --format hf`) --------------------------------------
+
+HF_CODE = ("configuration_fpa.py", "modeling_fpa.py")  # shipped with the weights (trust_remote_code)
+
+
+def hf_model(model: GPT, *, eos_id: int | None = None, cache: Any = None) -> Any:
+    """The transformers model (pipeline.hf.modeling_fpa.FPAForCausalLM) around a copy of model's weights.
+
+    cache: an eval.cache section (pipeline.config.CacheConfig) whose margin / delta / norm_slack become the
+    eviction settings of generate(); eviction itself stays off (config.evict) so that generate() reproduces
+    the full forward pass unless asked.
+    """
+    from pipeline.hf.configuration_fpa import FPAConfig
+    from pipeline.hf.modeling_fpa import FPAForCausalLM, model_config_dict
+
+    extra = {}
+    if cache is not None:
+        extra = {
+            "evict_margin": cache.margin,
+            "evict_delta": cache.delta,
+            "evict_norm_slack": cache.norm_slack,
+        }
+    config = FPAConfig(
+        fpa_model=model_config_dict(model.cfg),
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,  # documents follow an end-of-document token in training
+        pad_token_id=eos_id,
+        **extra,
+    )
+    config.auto_map = {
+        "AutoConfig": "configuration_fpa.FPAConfig",
+        "AutoModelForCausalLM": "modeling_fpa.FPAForCausalLM",
+    }
+    hf = FPAForCausalLM(config)
+    hf.model.load_state_dict(model.state_dict())
+    return hf.to(next(model.parameters()).device).eval()
+
+
+def hf_tokenizer(tokenizer: Any, eos_id: int, max_length: int | None = None) -> Any:
+    """A transformers fast tokenizer around a `tokenizers.Tokenizer`, with the end-of-document token as
+    eos (and pad: generate() pads finished rows with it). No BOS is added: prompts encode as in training."""
+    from transformers import PreTrainedTokenizerFast
+
+    eos = tokenizer.id_to_token(eos_id)
+    if eos is None:
+        raise ExportError(f"the tokenizer has no token with the end-of-document id {eos_id}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=eos)
+    if max_length is not None:
+        tok.model_max_length = max_length
+    return tok
+
+
+def export_hf(cfg: RunConfig, source: str | Path, out_dir: str | Path) -> Path:
+    """Write a transformers directory (config.json, model.safetensors, the two code files, tokenizer) to
+    out_dir; return it. source: an export dir (model.safetensors + config.yaml) or a DeepSpeed checkpoint
+    (exported first, into a temporary dir). The tokenizer is the run's (<data_dir>/tokenizer.json), its
+    end-of-document token the eos.
+
+    The code files import the installed `fpa_model` package (this project): loading the directory with
+    AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True) needs it installed.
+    """
+    from data_prep.index import load_index
+    from data_prep.tokenizer import load_tokenizer
+
+    source, out_dir = Path(source), Path(out_dir)
+    if not (source / WEIGHTS).is_file() and not source.is_file():
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=out_dir.parent) as tmp:
+            export(cfg, source, tmp)
+            return export_hf(cfg, tmp, out_dir)
+    model = load_exported(source)
+    index = load_index(cfg.data_dir)
+    tokenizer = load_tokenizer(cfg.data_dir)
+    if tokenizer.get_vocab_size() > model.cfg.vocab_size:
+        raise ExportError(
+            f"the tokenizer in {cfg.data_dir} has {tokenizer.get_vocab_size()} tokens but the model "
+            f"{model.cfg.vocab_size}: the weights were trained on other data"
+        )
+    hf = hf_model(model, eos_id=index.eod_id, cache=cfg.eval.cache)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out_dir)
+    code = Path(__file__).parent / "hf"
+    for name in HF_CODE:
+        atomic_write_text(out_dir / name, (code / name).read_text())
+    hf_tokenizer(tokenizer, index.eod_id, model.cfg.max_seq_len).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,144 @@
+"""`fpa export --format hf`: the directory loads offline with transformers' Auto classes
+(trust_remote_code), its logits are the project's model's on the same tokens for every attention kind, its
+tokenizer encodes as the run's with the end-of-document token as eos, and generate() through the project's
+KV cache gives the project's own greedy tokens, with and without FPA/FoX eviction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_support import export_random_model, prepare_tiny_data, run_cfg  # noqa: E402
+
+KINDS = ("fpa", "fox", "softmax")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_tiny_data(tmp_path_factory.mktemp("hfdata") / "data")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, tuple]:
+    """Per kind: (cfg, plain export dir, hf export dir), made once through the CLI."""
+    from launch.cli import main
+
+    tmp = tmp_path_factory.mktemp("hfruns")
+    out = {}
+    for kind in KINDS:
+        cfg = run_cfg(tmp, data_dir, f"hf-{kind}", kind)
+        plain = export_random_model(cfg, seed=KINDS.index(kind))
+        yaml = tmp / f"{kind}.yaml"
+        from pipeline.config import to_yaml
+
+        yaml.write_text(to_yaml(cfg))
+        assert main(["export", str(yaml), "--format", "hf", "--checkpoint", str(plain)]) == 0
+        out[kind] = (cfg, plain, cfg.run_dir / "export-hf")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def _load(hf_dir: Path):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    return model, AutoTokenizer.from_pretrained(hf_dir)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_export_loads_offline_with_the_projects_logits(kind: str, exported: dict, data_dir: Path) -> None:
+    from data_prep.index import load_index
+    from data_prep.tokenizer import load_tokenizer
+    from pipeline.export import load_exported
+
+    cfg, plain, hf_dir = exported[kind]
+    names = {p.name for p in hf_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_fpa.py", "modeling_fpa.py"} <= names
+    assert "tokenizer.json" in names
+    # The shipped modeling file wraps the installed package's GPT: no attention code of its own.
+    code = (hf_dir / "modeling_fpa.py").read_text()
+    assert "from fpa_model.model import GPT" in code and "def fpa_attention" not in code
+
+    model, tok = _load(hf_dir)
+    assert type(model).__name__ == "FPAForCausalLM" and model.config.fpa_model["attention"]["kind"] == kind
+    index = load_index(data_dir)
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == index.eod_id
+    text = "And God said, Let there be light: and there was light."
+    ids = load_tokenizer(data_dir).encode(text).ids
+    assert tok(text)["input_ids"] == ids  # no BOS, the same tokens as training
+    assert tok.decode(ids) == text
+
+    ref = load_exported(plain)
+    x = torch.tensor([[index.eod_id, *ids], [index.eod_id, *ids[::-1]]])
+    with torch.no_grad():
+        got = model(x).logits
+        want = ref(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # Tied embeddings stay one tensor after loading.
+    assert model.model.lm_head.weight.data_ptr() == model.model.embed.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("kind", "evict"), [("fpa", False), ("fpa", True), ("fox", True), ("softmax", False)]
+)
+def test_hf_generate_equals_project_cache(kind: str, evict: bool, exported: dict) -> None:
+    from fpa_model.cache import EvictionPolicy, generate
+    from pipeline.export import load_exported
+
+    cfg, plain, hf_dir = exported[kind]
+    model, _ = _load(hf_dir)
+    model.config.evict = evict
+    model.config.prefill_chunk = cfg.eval.cache.prefill_chunk if evict else None
+    ref = load_exported(plain)
+    torch.manual_seed(1)
+    x = torch.randint(1, cfg.model.vocab_size, (2, 21))
+    n = 24
+    out = model.generate(
+        x, max_new_tokens=n, do_sample=False, eos_token_id=None, return_dict_in_generate=True
+    )
+    policy = EvictionPolicy(enabled=evict, delta=cfg.eval.cache.delta, margin=cfg.eval.cache.margin)
+    want, cache = generate(ref, x, n, policy=policy, chunk_size=model.config.prefill_chunk)
+    assert out.sequences[:, : x.shape[1]].tolist() == x.tolist()
+    assert out.sequences[:, x.shape[1] :].tolist() == want.tolist()
+    assert len(set(want[0].tolist())) > 2  # not one token repeated: the comparison has content
+    hf_cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    assert hf_cache.fraction_kept() == cache.fraction_kept()
+    if evict:
+        assert hf_cache.fraction_kept()["overall"] < 1.0  # keys were actually dropped
+    # A cache the caller makes (own eviction policy) is used as is.
+    mine = model.new_cache(EvictionPolicy(enabled=False))
+    out2 = model.generate(x[:1], max_new_tokens=4, do_sample=False, eos_token_id=None, cache=mine)
+    assert mine.seen == x.shape[1] + 3 and out2.shape[1] == x.shape[1] + 4
+
+
+def test_hf_sampling_and_padding_error(exported: dict) -> None:
+    cfg, _, hf_dir = exported["fpa"]
+    model, tok = _load(hf_dir)
+    x = torch.tensor([tok("In the beginning")["input_ids"]])
+    a = model.generate(x, max_new_tokens=6, do_sample=True, top_k=5, eos_token_id=None)
+    assert a.shape == (1, x.shape[1] + 6)
+    with pytest.raises(ValueError, match="padding"):
+        model(x, attention_mask=torch.tensor([[0] + [1] * (x.shape[1] - 1)]))
+
+
+def test_export_hf_from_nothing_is_one_line_error(
+    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launch.cli import main
+    from pipeline.config import to_yaml
+
+    cfg = run_cfg(tmp_path, data_dir, "none", "fpa")
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(to_yaml(cfg))
+    assert main(["export", str(yaml), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fpa: error:") and "\n" not in err
