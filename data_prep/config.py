@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 SOURCE_TYPES = ("packaged", "text", "jsonl", "parquet", "hf")
@@ -19,6 +20,10 @@ class SourceConfig:
     max_docs: int | None = None  # cap for quick runs
     # text sources: split each file into documents at this string (e.g. "\n\n\n"); None: one per file
     doc_separator: str | None = None
+    # Packaged "kjv" only: keep just these books (None: all), or drop these; a held-out split of whole
+    # books shares no chapter, and few verses, with the training split.
+    books: list[str] | None = None
+    exclude_books: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.type not in SOURCE_TYPES:
@@ -33,6 +38,12 @@ class SourceConfig:
             raise ValueError(f"data source max_docs must be >= 1 or null, got {self.max_docs}")
         if self.doc_separator == "":
             raise ValueError("data source doc_separator must be a non-empty string or null")
+        if (self.books is not None or self.exclude_books) and (self.type, self.name) != ("packaged", "kjv"):
+            raise ValueError(
+                "data source books / exclude_books select books of the packaged corpus 'kjv' only"
+            )
+        if self.books is not None and not self.books:
+            raise ValueError("data source books is empty: list at least one book, or null for all")
 
 
 @dataclass
@@ -52,6 +63,9 @@ class DataConfig:
     train: SourceConfig = field(default_factory=SourceConfig)
     # Held-out split: its own source, or (None) the last `val_fraction` of the train documents.
     validation: SourceConfig | None = None
+    # More held-out splits, by name (e.g. an out-of-domain corpus beside an in-domain "validation"):
+    # written like "validation" and evaluated beside it (perplexity by position, in the report).
+    extra_validation: dict[str, SourceConfig] = field(default_factory=dict)
     val_fraction: float = 0.01
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     seq_len: int = 256  # tokens per training sequence (each stored sequence holds seq_len + 1)
@@ -93,6 +107,12 @@ class DataConfig:
                 f"data.sequences_per_shard ({self.sequences_per_shard}) must be a multiple of "
                 f"data.sequences_per_member ({self.sequences_per_member})"
             )
+        for name in self.extra_validation:
+            if name in ("train", "validation") or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(
+                    f"data.extra_validation split name {name!r} must be a plain name (letters, digits, "
+                    f"_ . -) other than train and validation"
+                )
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.out_dir is not None and (self.out_dir.startswith("pipe:") or "://" in self.out_dir):

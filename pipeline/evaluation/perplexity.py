@@ -123,8 +123,11 @@ def run_perplexity(
     device: torch.device | None = None,
     evict: EvictionPolicy | None = None,
     prefill_chunk: int = 128,
+    split: str = "validation",
 ) -> dict[str, Any]:
-    """Loss by position bucket, perplexity and bits per byte per length; writes perplexity.json/.png.
+    """Loss by position bucket (with its standard error over windows), perplexity and bits per byte per
+    length on one held-out split; writes perplexity.json/.png (split "validation") or
+    perplexity-<split>.json/.png.
 
     evict: also read every window through the evicting KV cache (chunks of prefill_chunk tokens) and
     record its loss by position and the cache fraction kept: what compression costs in loss. Ignored
@@ -136,20 +139,20 @@ def run_perplexity(
     device = device or next(model.parameters()).device
     lengths = [max(2, round(m * seq_len)) for m in multipliers]
     need = sequences * (max(lengths) + 1)
-    stream = validation_stream(data_dir, need)
+    stream = validation_stream(data_dir, need, split)
     nbytes = token_byte_lengths(tokenizer)
-    result: dict[str, Any] = {"seq_len": seq_len, "bucket": bucket, "lengths": {}}
+    result: dict[str, Any] = {"split": split, "seq_len": seq_len, "bucket": bucket, "lengths": {}}
     for m, L in zip(multipliers, lengths):
         n = min(sequences, stream.size // (L + 1))
         key = str(L)
         if n == 0:
             log.warning(
-                "perplexity: validation split has %d tokens, too few for one window of %d", stream.size, L
+                "perplexity: %s split has %d tokens, too few for one window of %d", split, stream.size, L
             )
             result["lengths"][key] = {
                 "multiplier": float(m),
                 "windows": 0,
-                "skipped": "too few validation tokens",
+                "skipped": f"too few {split} tokens",
             }
             continue
         windows = torch.from_numpy(stream[: n * (L + 1)].reshape(n, L + 1)).to(device)
@@ -157,6 +160,14 @@ def run_perplexity(
         per_pos = losses.mean(0)
         starts = list(range(0, L, bucket))
         by_bucket = [float(per_pos[s : s + bucket].mean()) for s in starts]
+        # Standard error of each bucket's mean over the windows (the windows are disjoint text).
+        window_buckets = torch.stack([losses[:, s : s + bucket].mean(1) for s in starts], dim=1)  # (n, nb)
+        se = (
+            window_buckets.std(0, correction=1) / math.sqrt(n)
+            if n > 1
+            else torch.full((len(starts),), math.nan)
+        )
+        loss_se = float(losses.mean(1).std(correction=1)) / math.sqrt(n) if n > 1 else math.nan
         target_bytes = int(nbytes[np.clip(windows[:, 1:].cpu().numpy(), 0, nbytes.size - 1)].sum())
         total_nats = float(losses.sum())
         mean = float(losses.mean())
@@ -169,6 +180,8 @@ def run_perplexity(
             "bytes": target_bytes,
             "bucket_start": starts,
             "loss_by_bucket": by_bucket,
+            "loss_by_bucket_se": [float(x) for x in se],
+            "loss_se": loss_se,
             # Loss inside the training length vs beyond it: the length-extrapolation gap in one number.
             "loss_within_train_len": float(per_pos[:seq_len].mean()),
             "loss_beyond_train_len": float(per_pos[seq_len:].mean()) if seq_len < L else None,
@@ -185,13 +198,21 @@ def run_perplexity(
                     "cache_fraction": frac,
                 }
             )
-        log.info("perplexity length %d (%gx): loss %.4f, %d windows", L, m, mean, n)
+        log.info(
+            "perplexity %s length %d (%gx): loss %.4f +- %.4f, %d windows", split, L, m, mean, loss_se, n
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / ".perplexity.json.tmp"
+    stem = perplexity_stem(split)
+    tmp = out_dir / f".{stem}.json.tmp"
     tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(out_dir / "perplexity.json")
-    plot_perplexity(result, out_dir / "perplexity.png")
+    tmp.replace(out_dir / f"{stem}.json")
+    plot_perplexity(result, out_dir / f"{stem}.png")
     return result
+
+
+def perplexity_stem(split: str) -> str:
+    """File name stem of a split's perplexity outputs under the eval dir."""
+    return "perplexity" if split == "validation" else f"perplexity-{split}"
 
 
 def plot_perplexity(result: dict[str, Any], path: Path) -> None:
@@ -208,6 +229,11 @@ def plot_perplexity(result: dict[str, Any], path: Path) -> None:
         (line,) = ax.plot(
             centers, r["loss_by_bucket"], marker=".", label=f"{key} tokens ({r['multiplier']:g}x)"
         )
+        se = r.get("loss_by_bucket_se")
+        if se and all(math.isfinite(x) for x in se):  # +- 1 standard error over the windows
+            lo = [m - e for m, e in zip(r["loss_by_bucket"], se)]
+            hi = [m + e for m, e in zip(r["loss_by_bucket"], se)]
+            ax.fill_between(centers, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         if "loss_by_bucket_compressed" in r:
             ax.plot(
                 centers,
@@ -219,7 +245,7 @@ def plot_perplexity(result: dict[str, Any], path: Path) -> None:
     ax.axvline(result["seq_len"], color="gray", linestyle="--", linewidth=1, label="training length")
     ax.set_xlabel("position")
     ax.set_ylabel("loss (nats)")
-    ax.set_title("validation loss by position")
+    ax.set_title(f"{result.get('split', 'validation')} loss by position (band: +- 1 s.e. over windows)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
