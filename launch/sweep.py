@@ -373,6 +373,7 @@ def collect_sweep(path: str | Path) -> Path:
         METRICS,
         check_report,
         compare_reports,
+        harness_metrics,
         ppl_curve,
         read_report,
         report_metrics,
@@ -384,11 +385,14 @@ def collect_sweep(path: str | Path) -> Path:
     table: list[dict[str, Any]] = []
     curves: dict[str, tuple[list[float], list[float]]] = {}
     complete: list[Path] = []  # runs whose report passes the strict schema check, for the detail tables
+    harness_cols: list[str] = []  # lm-eval scores (eval.harness): a column per task and metric found
     for run in sweep.runs:
         path = run.run_dir / "eval" / "report.json"
         status, report = read_report(path)
+        harness = harness_metrics(report)
+        harness_cols += [c for c in harness if c not in harness_cols]
         grid_values = {short[k]: run.values[k] for k in keys}
-        table.append({"run": run.name, **grid_values, **report_metrics(report), "status": status})
+        table.append({"run": run.name, **grid_values, **report_metrics(report), **harness, "status": status})
         curve = ppl_curve(report.get("ppl_by_position")) if report else None
         if curve:
             curves[run.name] = curve
@@ -397,9 +401,12 @@ def collect_sweep(path: str | Path) -> Path:
             complete.append(run.run_dir)
         except ValueError:
             pass
+    for row in table:  # a run without a task's score: empty there
+        for c in harness_cols:
+            row.setdefault(c, None)
     out = sweep.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    columns = ["run", *(short[k] for k in keys), *METRICS, "status"]
+    columns = ["run", *(short[k] for k in keys), *METRICS, *harness_cols, "status"]
 
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
@@ -410,9 +417,10 @@ def collect_sweep(path: str | Path) -> Path:
 
     found = sum(r["status"] == "ok" for r in table)
     text = [f"# Sweep {sweep.name}\n", f"{len(table)} runs, {found} with an eval report ({sweep.path}).\n"]
-    cells = [[_fmt(r[c]) if c in METRICS else str(r[c]) for c in columns] for r in table]
+    numeric = {*METRICS, *harness_cols}
+    cells = [[_fmt(r[c]) if c in numeric else str(r[c]) for c in columns] for r in table]
     text.append(_markdown(columns, cells))
-    summary = _group_summary(table, [short[k] for k in keys], METRICS)
+    summary = _group_summary(table, [short[k] for k in keys], (*METRICS, *harness_cols))
     if summary:
         text += ["## Mean ± std over seeds\n", summary]
     if complete:

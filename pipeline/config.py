@@ -274,6 +274,25 @@ class CacheConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """lm-evaluation-harness on the exported model (pipeline/harness.py); no tasks: not run."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names, e.g. [lambada_openai, hellaswag]
+    num_fewshot: int | None = None  # None: each task's default
+    limit: float | None = None  # documents per task (>= 1) or a fraction of them (< 1); None: all
+    batch_size: int = 1
+    include_path: str | None = None  # a folder of extra task YAMLs (local tasks, run offline)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"eval.harness.batch_size must be >= 1; got {self.batch_size}")
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"eval.harness.limit must be > 0; got {self.limit}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ValueError(f"eval.harness.num_fewshot must be >= 0; got {self.num_fewshot}")
+
+
+@dataclass
 class EvalConfig:
     checkpoint: str | None = None  # None: the run's export (<run_dir>/export), else an export dir
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
@@ -282,6 +301,7 @@ class EvalConfig:
     ppl_bucket: int = 64  # positions per bucket of the loss-by-position curve
     ppl_sequences: int = 8  # windows per length (consecutive validation sequences joined end to end)
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
     def __post_init__(self) -> None:
         if self.ppl_bucket < 1 or self.ppl_sequences < 1:

@@ -4,8 +4,9 @@ eviction, validation loss by position beyond the training length, bits per byte,
     evaluate(cfg, checkpoint=None) -> summary dict
 
 writes <run_dir>/eval/{passkey.json, passkey.png, perplexity.json, perplexity.png, report.json,
-report.md}. The weights come from `checkpoint` (an export directory holding model.safetensors), else
-cfg.eval.checkpoint, else <run_dir>/export.
+report.md}; with eval.harness.tasks, lm-evaluation-harness scores too (pipeline/harness.py). The
+weights come from `checkpoint` (an export directory holding model.safetensors), else cfg.eval.checkpoint,
+else <run_dir>/export.
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ def _evaluate(
         ),
         prefill_chunk=cfg.eval.cache.prefill_chunk,
     )
+    harness = None
+    if cfg.eval.harness.tasks:
+        from pipeline.harness import run_harness  # lm-eval + transformers (the hf extra): only when asked
+
+        harness = run_harness(model, tokenizer, index.eod_id, cfg.eval.harness, device=device, seed=cfg.seed)
     attn = model.cfg.attention
     report = build_report(
         run=cfg.name,
@@ -173,6 +179,7 @@ def _evaluate(
         ppl=ppl,
         passkey_mix=cfg.data.passkey_mix,
         passkey_training=_passkey_training(cfg),
+        harness=harness,
     )
     write_report(report, out_dir)
     headline = {
@@ -186,12 +193,16 @@ def _evaluate(
             "cache_fraction",
             "perplexity",
             "bits_per_byte",
+            "harness",
         )
     }
     headline["seconds"] = round(time.time() - t0, 1)
     if logger is not None:
-        logger.summary(
-            {f"eval/{k}": v for k, v in headline.items() if isinstance(v, int | float) and v is not None}
-        )
+        summary = {
+            f"eval/{k}": v for k, v in headline.items() if isinstance(v, int | float) and v is not None
+        }
+        for task, metrics in ((harness or {}).get("tasks") or {}).items():
+            summary.update({f"eval/harness/{task}/{m}": v for m, v in metrics.items()})
+        logger.summary(summary)
     log.info("eval report: %s", out_dir / "report.md")
     return headline

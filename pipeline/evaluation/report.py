@@ -32,6 +32,9 @@ a missing figure is null, never absent):
     ppl_cache_fraction                    {"<tokens>": cache fraction kept in those windows} or null
     bits_per_byte                         {"<tokens>": bits per byte}
     ppl_by_position                       {"<tokens>": {"bucket_start": [...], "loss": [...]}} (loss in nats)
+    harness                               lm-evaluation-harness (eval.harness): {"tasks": {task: {metric:
+                                          value}}, "num_fewshot", "limit", "lm_eval_version"}; null when
+                                          no task was asked for (reports written before it: read as null)
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ REPORT_KEYS = (
     "ppl_cache_fraction",
     "bits_per_byte",
     "ppl_by_position",
+    "harness",
 )
+# Keys added to schema 1 later: a report written before them still loads, with the key read as null.
+LATER_KEYS = ("harness",)
 
 
 def build_report(
@@ -84,6 +90,7 @@ def build_report(
     ppl: dict[str, Any] | None,
     passkey_mix: float | None = None,
     passkey_training: dict[str, Any] | None = None,
+    harness: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results."""
     full = (passkey or {}).get("modes", {}).get("full")
@@ -146,6 +153,7 @@ def build_report(
             k: {"bucket_start": v["bucket_start"], "loss": v["loss_by_bucket"]} for k, v in lengths_ok.items()
         }
         or None,
+        "harness": harness or None,
     }
     assert tuple(report) == REPORT_KEYS
     return report
@@ -235,7 +243,26 @@ def report_markdown(report: dict[str, Any]) -> str:
                 f"| {_f(comp.get(k), 2)} | {_pct(frac.get(k))} |"
             )
         lines += ["", "Loss by position: `perplexity.png`; passkey heatmaps: `passkey.png`.", ""]
+    lines += _harness_markdown(r.get("harness"))
     return "\n".join(lines)
+
+
+def _harness_markdown(h: dict[str, Any] | None) -> list[str]:
+    if not h or not h.get("tasks"):
+        return []
+    shots = "task default" if h.get("num_fewshot") is None else h["num_fewshot"]
+    limit = "all" if h.get("limit") is None else h["limit"]
+    lines = [
+        "## lm-evaluation-harness",
+        "",
+        f"lm-eval {h.get('lm_eval_version') or '?'}, few-shot: {shots}, documents per task: {limit}",
+        "",
+        "| task | metric | value |",
+        "|---|---|---|",
+    ]
+    for task, metrics in h["tasks"].items():
+        lines += [f"| {task} | {m} | {_f(v, 4)} |" for m, v in metrics.items() if not m.endswith("_stderr")]
+    return [*lines, ""]
 
 
 def write_report(report: dict[str, Any], eval_dir: Path) -> tuple[Path, Path]:
@@ -280,6 +307,8 @@ def check_report(report: Any, path: Path) -> dict[str, Any]:
     version = report.get("schema_version") if isinstance(report, dict) else None
     if version != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema_version {version!r}, expected {SCHEMA_VERSION}")
+    for k in LATER_KEYS:
+        report.setdefault(k, None)
     missing = [k for k in REPORT_KEYS if k not in report]
     if missing:
         raise ValueError(f"{path}: missing keys {missing}")
@@ -338,6 +367,19 @@ def report_metrics(report: dict[str, Any] | None) -> dict[str, float | None]:
         "passkey_accuracy_compressed": _passkey(report.get("passkey_accuracy_compressed")),
         "cache_fraction": _number(report.get("cache_fraction")),
     }
+
+
+def harness_metrics(report: dict[str, Any] | None) -> dict[str, float]:
+    """{"harness:<task>/<metric>": value} of the report's lm-evaluation-harness scores (standard errors
+    left out); {} when there are none. A sweep's table gets a column per task and metric found."""
+    harness = report.get("harness") if isinstance(report, dict) else None
+    tasks = harness.get("tasks") if isinstance(harness, dict) else None
+    out: dict[str, float] = {}
+    for task, metrics in (tasks if isinstance(tasks, dict) else {}).items():
+        for metric, value in (metrics if isinstance(metrics, dict) else {}).items():
+            if not str(metric).endswith("_stderr") and _number(value) is not None:
+                out[f"harness:{task}/{metric}"] = float(value)
+    return out
 
 
 def ppl_curve(x: Any) -> tuple[list[float], list[float]] | None:
