@@ -235,6 +235,7 @@ def export_hf(cfg: RunConfig, source: str | Path, out_dir: str | Path) -> Path:
 
     source, out_dir = Path(source), Path(out_dir)
     if not (source / WEIGHTS).is_file() and not source.is_file():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".export-", dir=out_dir.parent) as tmp:
             export(cfg, source, tmp)
             return export_hf(cfg, tmp, out_dir)

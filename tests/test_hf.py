@@ -142,3 +142,22 @@ def test_export_hf_from_nothing_is_one_line_error(
     assert main(["export", str(yaml), "--format", "hf"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fpa: error:") and "\n" not in err
+
+
+def test_export_hf_from_a_deepspeed_checkpoint(tmp_path: Path, data_dir: Path, exported: dict) -> None:
+    """A ZeRO-0 checkpoint dir (DeepSpeed's module state file) goes through `export` first, then to hf."""
+    from pipeline.config import to_yaml
+    from pipeline.export import export_hf, load_exported
+
+    cfg, plain, _ = exported["fox"]
+    ref = load_exported(plain)
+    ckpt = tmp_path / "checkpoints" / "global_step3"
+    ckpt.mkdir(parents=True)
+    state = {"module": ref.state_dict(), "config_yaml": to_yaml(cfg), "step": 3}
+    torch.save(state, ckpt / "mp_rank_00_model_states.pt")
+    out = export_hf(cfg, ckpt, tmp_path / "new" / "hf")
+    model, _ = _load(out)
+    x = torch.randint(0, cfg.model.vocab_size, (1, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref(x), rtol=0, atol=1e-6)
+    assert not [p for p in (tmp_path / "new").iterdir() if p.name != "hf"]  # the temporary export is gone
