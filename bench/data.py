@@ -102,6 +102,7 @@ def bench_train_step(cfg: Any, vocab_size: int, steps: int) -> dict[str, Any]:
     import torch
 
     from fpa_model.model import GPT
+    from pipeline.loss import lm_loss
 
     torch.manual_seed(0)
     cfg.model.vocab_size = vocab_size
@@ -112,7 +113,7 @@ def bench_train_step(cfg: Any, vocab_size: int, steps: int) -> dict[str, Any]:
     times = []
     for i in range(steps + 2):
         t0 = time.perf_counter()
-        loss = model.loss(x[:, :-1], x[:, 1:])
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

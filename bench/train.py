@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fpa_model.config import AttentionConfig, ModelConfig  # noqa: E402
 from fpa_model.model import GPT  # noqa: E402
-from pipeline.train import measure_peak_flops  # noqa: E402
+from pipeline.loss import lm_loss  # noqa: E402
+from pipeline.metrics import measure_peak_flops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -128,7 +129,7 @@ def main() -> int:
         model, opt = models[kind], opts[kind]
         t0 = time.perf_counter()
         with autocast():
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from fpa_model.attention import Attention
 from fpa_model.config import ATTENTION_IMPLS, AttentionConfig
 from pipeline.atomic import atomic_write_text
+from pipeline.schedule import warmup_cosine
 
 BOS = 0
 
@@ -314,11 +315,8 @@ def train_one(task: Task, kind: str, seed: int, cfg: SynthConfig) -> dict:
     eval_batch = eval_batch_for(task, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
-    def lr_at(step: int) -> float:  # linear warmup, cosine to 10%
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        p = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    def lr_at(step: int) -> float:  # linear warmup, cosine to 10% (the trainer's schedule)
+        return warmup_cosine(step, lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=0.1)
 
     curve: list[tuple[int, float]] = []
     first_hit: int | None = None

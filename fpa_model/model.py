@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from fpa_model.attention import Attention, RMSNorm
 from fpa_model.config import ModelConfig
@@ -49,8 +50,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only language model: forward(idx (B,T) int64) -> logits (B,T,vocab)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False) -> None:
         super().__init__()
+        # train.activation_checkpointing: recompute each block's activations in backward, not kept.
+        self.activation_checkpointing = activation_checkpointing
         if cfg.vocab_size is None or cfg.vocab_size < 1:
             raise ValueError(
                 "model.vocab_size must be set (train() takes it from the data index when it is null)"
@@ -81,16 +84,17 @@ class GPT(nn.Module):
             block.norm2.weight.fill_(1.0)
         self.norm_f.weight.fill_(1.0)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, head: bool = True) -> Tensor:
+        """Logits (B, T, vocab); head=False: the final normed hidden states (B, T, d_model), for a loss that
+        applies lm_head itself (pipeline.loss, chunked)."""
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm_f(x))
-
-    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross entropy (fp32) of logits(idx) against targets (B,T)."""
-        logits = self(idx)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.norm_f(x)
+        return self.lm_head(x) if head else x
 
     def set_sequence_parallel(self, sp: SequenceParallel | None) -> int:
         """Every attention layer attends across sp's group (None: whole sequences here); returns the count.

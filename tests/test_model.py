@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from fpa_model.attention import Attention, apply_rope, gate_bias_for_increment, rope_cos_sin
 from fpa_model.config import AttentionConfig, ModelConfig
 from fpa_model.model import GPT
+from pipeline.loss import lm_loss
 
 D, H = 32, 4
 
@@ -228,7 +229,7 @@ def test_gpt_requires_vocab_size():
 def test_gpt_loss_and_flops():
     model = GPT(tiny_cfg())
     idx = torch.randint(0, 50, (2, 8))
-    loss = model.loss(idx, torch.roll(idx, -1, dims=1))
+    loss = lm_loss(model(idx), torch.roll(idx, -1, dims=1))
     assert loss.item() == pytest.approx(math.log(50), rel=0.1)  # near-uniform predictions at init
     n = model.num_parameters(non_embedding=True) + 50 * D
     assert model.flops_per_token(8) == 6 * n + 6 * 2 * 8 * D

@@ -99,8 +99,8 @@ def test_phase_is_the_last_steps_on_top_of_the_language_model(reference):
 
 
 def test_phase_rows_are_answer_only_and_deterministic(cfg_path, data_dir):
+    from pipeline.batches import PasskeyBatches as _PasskeyBatches
     from pipeline.config import derive, load_config
-    from pipeline.train import _PasskeyBatches
 
     over = [*BASE, f"data.out_dir={data_dir}", "parallel.sequence=2"]
     cfg = load_config([cfg_path], over)

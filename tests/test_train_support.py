@@ -220,10 +220,10 @@ NAN_STEP_ENV = "FPA_TEST_NAN_STEP"
 def poison_step(step: int, grad_accum: int) -> None:
     """Make the loss of step index `step` non-finite on the last rank, in its last micro batch (the earlier
     ones are already backpropagated: the hardest case for dropping a step), by wrapping
-    pipeline.train.micro_loss in this process. Validation (under no_grad) is left alone."""
+    pipeline.step.micro_loss in this process. Validation (under no_grad) is left alone."""
     import torch.distributed as dist
 
-    import pipeline.train as tr
+    import pipeline.step as tr
 
     real, calls = tr.micro_loss, [0]
 
@@ -239,6 +239,32 @@ def poison_step(step: int, grad_accum: int) -> None:
     tr.micro_loss = micro_loss
 
 
+SPIKE_STEP_ENV = "FPA_TEST_SPIKE_STEP"
+
+
+def spike_step(step: int, grad_accum: int, factor: float = 1000.0) -> None:
+    """Multiply the language-model loss of step index `step` by `factor` in its last micro batch (every
+    rank), keyed on the trainer's step counter so that a resumed run plants it at the same step."""
+    import pipeline.step as st
+    import pipeline.train as tr
+
+    real_step, real_loss, current, calls = tr.train_step, st.micro_loss, [-1], [0]
+
+    def train_step(engine: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+        current[0], calls[0] = state.step, 0
+        return real_step(engine, state, *args, **kwargs)
+
+    def micro_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, int]:
+        loss, n = real_loss(*args, **kwargs)
+        if torch.is_grad_enabled():
+            i, calls[0] = calls[0], calls[0] + 1
+            if current[0] == step and i == grad_accum - 1:
+                loss = loss * factor
+        return loss, n
+
+    tr.train_step, st.micro_loss = train_step, micro_loss
+
+
 def _main() -> int:
     sys.path.insert(0, str(REPO))
     from pipeline import distributed as dist_utils
@@ -249,6 +275,8 @@ def _main() -> int:
     cfg = load_config([a for a in args if "=" not in a], [a for a in args if "=" in a])
     if os.environ.get(NAN_STEP_ENV):
         poison_step(int(os.environ[NAN_STEP_ENV]), cfg.train.grad_accum)
+    if os.environ.get(SPIKE_STEP_ENV):
+        spike_step(int(os.environ[SPIKE_STEP_ENV]), cfg.train.grad_accum)
     summary = train(cfg, make_loader=memory_loader)
     if dist_utils.rank() == 0:
         print("[train] summary " + json.dumps(summary), flush=True)
@@ -272,7 +300,7 @@ def test_memory_loader_global_order_is_world_size_independent():
 
 def test_lr_schedule_warmup_cosine():
     from pipeline.config import TrainConfig
-    from pipeline.train import lr_at
+    from pipeline.schedule import lr_at
 
     tc = TrainConfig(lr=1.0, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
     assert [lr_at(s, tc) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -282,18 +310,16 @@ def test_lr_schedule_warmup_cosine():
     assert lr_at(100, tc) == pytest.approx(0.1)
 
 
-def test_batch_to_xy_accepts_rows_pairs_and_dicts():
-    from pipeline.train import batch_to_xy
+def test_batch_to_xy_accepts_rows_and_pairs():
+    from pipeline.batches import batch_to_xy
 
     rows = torch.arange(10).view(2, 5)
     x, y = batch_to_xy(rows, torch.device("cpu"))
     assert torch.equal(x, rows[:, :-1]) and torch.equal(y, rows[:, 1:])
     x2, y2 = batch_to_xy((rows[:, :-1], rows[:, 1:]), torch.device("cpu"))
     assert torch.equal(x2, x) and torch.equal(y2, y)
-    x3, y3 = batch_to_xy({"tokens": rows.numpy().astype(np.uint16)}, torch.device("cpu"))
-    assert x3.dtype == torch.long and torch.equal(x3, x) and torch.equal(y3, y)
-    with pytest.raises(TypeError, match="input_ids"):
-        batch_to_xy({"foo": rows}, torch.device("cpu"))
+    x3, _ = batch_to_xy(rows.to(torch.int32), torch.device("cpu"))
+    assert x3.dtype == torch.long and torch.equal(x3, x)
 
 
 if __name__ == "__main__":

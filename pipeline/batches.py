@@ -1,0 +1,138 @@
+"""The data a training step consumes: per micro step, a language-model batch and, in the passkey phase,
+a batch of passkey rows.
+
+    source = StepBatches(loader, passkey=PasskeyBatches(...) or None, passkey_start=max_steps - steps)
+    for micro in source.step(step, grad_accum): micro.lm, micro.passkey (None outside the phase)
+
+A loader batch is a (B, T+1) tensor of token rows (data_prep.loader.ShardLoader); a passkey batch is an
+(inputs, targets) pair whose targets ignore everything but the answer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.config import Derived, RunConfig
+from pipeline.errors import TrainingError
+
+LoaderFactory = Callable[[RunConfig, str, int, int], Any]
+
+
+def default_loader(cfg: RunConfig, split: str, dp_rank: int, dp_world: int) -> Any:
+    from data_prep.loader import ShardLoader
+
+    return ShardLoader(
+        cfg.data_dir,
+        split,
+        micro_batch=cfg.train.micro_batch,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        seed=cfg.data.seed,
+        shuffle_block=cfg.data.shuffle_block,
+        num_workers=1 if split == "train" else 0,  # one read-ahead thread; order does not depend on it
+    )
+
+
+Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def batch_to_xy(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets: from (B, T+1) token rows, or an (inputs, targets) pair as given."""
+    if isinstance(batch, tuple):
+        x, y = batch
+    else:
+        x, y = batch[:, :-1], batch[:, 1:]
+    return x.to(device=device, dtype=torch.long), y.to(device=device, dtype=torch.long)
+
+
+class Batches:
+    """next() over a loader, starting a new pass when one ends (the loader decides the epoch order)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.it: Iterator[Any] = iter(loader)
+
+    def next(self) -> Any:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            try:
+                return next(self.it)
+            except StopIteration:
+                raise TrainingError("the training loader yields no batches") from None
+
+
+class PasskeyBatches:
+    """The rows the train.passkey phase adds to each micro step: whole passkey prompts, loss on the answer.
+
+    A batch is a pure function of (seed, step, data-parallel rank, micro step), so a resumed run draws the
+    same ones and the ranks of a sequence-parallel group (one dp rank) hold the same sequences. The prompt
+    length is drawn per step (the same on every rank, so DeepSpeed sees one shape per step).
+    """
+
+    def __init__(self, cfg: RunConfig, d: Derived, dp_rank: int) -> None:
+        from data_prep.index import load_index
+        from data_prep.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg.data_dir)
+        self.prefix = [load_index(cfg.data_dir).eod_id]  # as in the training stream and the eval prompts
+        self.lo, self.hi, self.multiple = d.passkey_lengths
+        self.n, self.digits = cfg.train.passkey.batch or d.micro_batch, cfg.train.passkey.digits
+        self.seed, self.dp_rank = cfg.seed, dp_rank
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from data_prep.passkey import answer_rows
+
+        m = self.multiple
+        length = m * random.Random(f"passkey:{self.seed}:{step}").randint(-(-self.lo // m), self.hi // m)
+        rng = random.Random(f"passkey:{self.seed}:{step}:{self.dp_rank}:{micro}")
+        x, y = answer_rows(
+            self.tokenizer, self.n, length, digits=self.digits, rng=rng, prefix_ids=self.prefix
+        )
+        return torch.tensor(x), torch.tensor(y)
+
+
+@dataclass
+class MicroBatch:
+    lm: Batch  # language-model rows from the loader
+    passkey: Batch | None  # passkey rows (the passkey phase), else None
+    wait: float  # seconds spent waiting for the loader
+
+
+class StepBatches:
+    """The micro batches of each optimizer step: the loader's, plus passkey rows in steps
+    [passkey_start, max_steps) when a passkey source is given."""
+
+    def __init__(self, loader: Any, passkey: PasskeyBatches | None = None, passkey_start: int = 0) -> None:
+        self.loader = loader
+        self.lm = Batches(loader)
+        self.passkey, self.passkey_start = passkey, passkey_start
+
+    def in_passkey_phase(self, step: int) -> bool:
+        return self.passkey is not None and step >= self.passkey_start
+
+    def step(self, step: int, grad_accum: int) -> Iterator[MicroBatch]:
+        """Lazily: a micro batch is read when the step asks for it (data wait is measured per batch)."""
+        for micro in range(grad_accum):
+            t = time.perf_counter()
+            lm = self.lm.next()
+            wait = time.perf_counter() - t
+            pk = self.passkey.batch(step, micro) if self.passkey and step >= self.passkey_start else None
+            yield MicroBatch(lm, pk, wait)
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        if hasattr(self.loader, "close"):  # read-ahead threads of ShardLoader
+            self.loader.close()
