@@ -135,6 +135,7 @@ def test_fpa_generate_bad_input_is_one_line(
     no_weights.write_text(to_yaml(empty))
     cases = [
         ([str(no_weights), "hello"], "no exported weights"),
+        ([str(yaml), "hello", "--checkpoint", str(tmp_path / "nowhere")], "no exported weights"),
         ([str(yaml), "   "], "the prompt is empty"),
         ([str(yaml), "light " * 300], "exceeds model.max_seq_len=256"),
         ([str(yaml), "hello", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
