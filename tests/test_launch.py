@@ -505,12 +505,12 @@ def test_shipped_sweeps_expand_and_render(name: str, tmp_path: Path, monkeypatch
     monkeypatch.chdir(tmp_path)  # their runs_dir is relative: keep the checkout clean
     path = ROOT / "configs" / "sweeps" / f"{name}.yaml"
     runs = expand_sweep(path)
-    assert len(runs) == 6 and len({r.name for r in runs}) == 6
+    assert len(runs) == 9 and len({r.name for r in runs}) == 9  # 3 kinds or fields x 3 seeds
     assert len({r.data_dir for r in runs}) == 1  # one prepared dataset for the whole comparison
     assert {r.group for r in runs} == {name}
     run_sweep(path, mode="slurm", dry_run=True)
     out = tmp_path / "runs" / "sweeps" / name / "slurm"
     for script in out.glob("*.sbatch"):
         subprocess.run(["bash", "-n", str(script)], check=True)
-    assert "--array=0-5" in (out / "train-array.sbatch").read_text()
+    assert "--array=0-8" in (out / "train-array.sbatch").read_text()
     capsys.readouterr()
