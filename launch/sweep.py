@@ -374,6 +374,7 @@ def collect_sweep(path: str | Path) -> Path:
         check_report,
         compare_reports,
         harness_metrics,
+        heldout_metrics,
         ppl_curve,
         read_report,
         report_metrics,
@@ -385,11 +386,12 @@ def collect_sweep(path: str | Path) -> Path:
     table: list[dict[str, Any]] = []
     curves: dict[str, tuple[list[float], list[float]]] = {}
     complete: list[Path] = []  # runs whose report passes the strict schema check, for the detail tables
-    harness_cols: list[str] = []  # lm-eval scores (eval.harness): a column per task and metric found
+    # Extra columns found in the reports: eval loss per held-out split, lm-eval scores (eval.harness).
+    harness_cols: list[str] = []
     for run in sweep.runs:
         path = run.run_dir / "eval" / "report.json"
         status, report = read_report(path)
-        harness = harness_metrics(report)
+        harness = {**heldout_metrics(report), **harness_metrics(report)}
         harness_cols += [c for c in harness if c not in harness_cols]
         grid_values = {short[k]: run.values[k] for k in keys}
         table.append({"run": run.name, **grid_values, **report_metrics(report), **harness, "status": status})

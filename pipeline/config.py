@@ -299,7 +299,7 @@ class EvalConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     ppl_length_multipliers: list[float] = field(default_factory=lambda: [1, 2, 4])  # x data.seq_len
     ppl_bucket: int = 64  # positions per bucket of the loss-by-position curve
-    ppl_sequences: int = 8  # windows per length (consecutive validation sequences joined end to end)
+    ppl_sequences: int = 32  # windows per length (consecutive held-out sequences joined end to end)
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     harness: HarnessConfig = field(default_factory=HarnessConfig)
 

@@ -28,6 +28,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = DataConfig(
         train=SourceConfig(type="packaged", name="kjv", max_docs=60),
         val_fraction=0.25,
+        extra_validation={"ood": SourceConfig(type="packaged", name="wiki_summaries", max_docs=60)},
         tokenizer=TokenizerConfig(vocab_size=512),
         seq_len=SEQ_LEN,
         sequences_per_member=16,
@@ -295,8 +296,20 @@ def test_evaluate_writes_report_and_compares_runs(tmp_path: Path, data_dir: Path
         assert set(rep["passkey_accuracy_per_length"]) == {str(SEQ_LEN), str(2 * SEQ_LEN)}
         assert set(rep["ppl_by_position"]) == {str(SEQ_LEN), str(2 * SEQ_LEN)}
         assert 0.0 <= rep["passkey_accuracy"] <= 1.0
+        # Every held-out split: the in-domain one and the extra "ood" one, each from its own file.
+        ood = json.loads((ev / "perplexity-ood.json").read_text())
+        assert ood["split"] == "ood" and (ev / "perplexity-ood.png").is_file()
+        assert set(rep["heldout"]) == {"validation", "ood"}
+        for split, res in (("validation", ppl), ("ood", ood)):
+            for k, v in rep["heldout"][split].items():
+                assert v["loss"] == pytest.approx(res["lengths"][k]["loss"])
+                assert v["loss_se"] == pytest.approx(res["lengths"][k]["loss_se"])
+        assert (
+            rep["heldout"]["ood"][str(SEQ_LEN)]["loss"] != rep["heldout"]["validation"][str(SEQ_LEN)]["loss"]
+        )
         md = (ev / "report.md").read_text()
         assert f"# Evaluation: {name}" in md and "Passkey accuracy, full cache" in md
+        assert "| ood | 128 | 2 |" in md and "| validation | 128 | 2 |" in md
         dirs.append(cfg.run_dir)
         if kind == "fpa":
             assert rep["field"] == "walk"

@@ -483,6 +483,26 @@ def test_collect_sweep_table_csv_plot_and_seed_means(tmp_path: Path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_collect_has_a_loss_column_per_heldout_split(tmp_path: Path) -> None:
+    sweep = write_sweep(tmp_path, SWEEP)
+    runs = expand_sweep(sweep)
+    for run, (ind, ood) in zip(runs, [(2.0, 5.0), (4.0, 6.0)]):
+        rep = _report("fpa", ind, 1.0, 0.5)
+        rep["heldout"] = {
+            "validation": {"256": {"loss": ind, "loss_se": 0.1, "windows": 8}},
+            "wiki": {"256": {"loss": ood, "loss_se": 0.2, "windows": 8}, "512": {"loss": 9.0, "windows": 8}},
+        }
+        (run.run_dir / "eval").mkdir(parents=True)
+        (run.run_dir / "eval" / "report.json").write_text(json.dumps(rep))
+    out = collect_sweep(sweep)
+    rows = (out / "results.csv").read_text().splitlines()
+    assert rows[0].endswith("cache_fraction,loss:validation,loss:wiki,status")
+    assert rows[1].endswith(",2.0,5.0,ok") and rows[2].endswith(",4.0,6.0,ok")  # the training length's loss
+    assert rows[3].endswith(",,,missing")
+    md = (out / "results.md").read_text()
+    assert "| fpa | 3 ± 1.4 (n=2) |" in md and "5.5 ± 0.71 (n=2)" in md  # seed means of both splits
+
+
 def test_ppl_curve_takes_the_longest_length_in_perplexity() -> None:
     pos, ppl = ppl_curve(_report("fpa", 1.0, 1.0, 1.0)["ppl_by_position"])
     assert pos == [0.0, 256.0] and ppl == pytest.approx([40.0, 25.0])

@@ -161,6 +161,23 @@ def _evaluate(
         ),
         prefill_chunk=cfg.eval.cache.prefill_chunk,
     )
+    # The other held-out splits (data.extra_validation): loss by position only, the evicting cache is
+    # measured on "validation" alone.
+    heldout = {"validation": ppl}
+    for split in index.splits:
+        if split not in ("train", "validation"):
+            heldout[split] = run_perplexity(
+                model,
+                tokenizer,
+                data_dir=cfg.data_dir,
+                seq_len=seq_len,
+                multipliers=list(cfg.eval.ppl_length_multipliers),
+                bucket=cfg.eval.ppl_bucket,
+                sequences=cfg.eval.ppl_sequences,
+                out_dir=out_dir,
+                device=device,
+                split=split,
+            )
     harness = None
     if cfg.eval.harness.tasks:
         from pipeline.harness import run_harness  # lm-eval + transformers (the hf extra): only when asked
@@ -179,6 +196,7 @@ def _evaluate(
         ppl=ppl,
         passkey_mix=cfg.data.passkey_mix,
         passkey_training=_passkey_training(cfg),
+        heldout=heldout,
         harness=harness,
     )
     write_report(report, out_dir)

@@ -32,6 +32,10 @@ a missing figure is null, never absent):
     ppl_cache_fraction                    {"<tokens>": cache fraction kept in those windows} or null
     bits_per_byte                         {"<tokens>": bits per byte}
     ppl_by_position                       {"<tokens>": {"bucket_start": [...], "loss": [...]}} (loss in nats)
+    heldout                               every held-out split (data.validation, data.extra_validation):
+                                          {"<split>": {"<tokens>": {"loss", "loss_se", "perplexity",
+                                          "bits_per_byte", "windows"}}}; loss_se: standard error over the
+                                          windows (reports written before it: read as null)
     harness                               lm-evaluation-harness (eval.harness): {"tasks": {task: {metric:
                                           value}}, "num_fewshot", "limit", "lm_eval_version"}; null when
                                           no task was asked for (reports written before it: read as null)
@@ -71,10 +75,11 @@ REPORT_KEYS = (
     "ppl_cache_fraction",
     "bits_per_byte",
     "ppl_by_position",
+    "heldout",
     "harness",
 )
 # Keys added to schema 1 later: a report written before them still loads, with the key read as null.
-LATER_KEYS = ("harness",)
+LATER_KEYS = ("heldout", "harness")
 
 
 def build_report(
@@ -91,8 +96,12 @@ def build_report(
     passkey_mix: float | None = None,
     passkey_training: dict[str, Any] | None = None,
     harness: dict[str, Any] | None = None,
+    heldout: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results."""
+    """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results.
+
+    ppl: the perplexity result of the "validation" split; heldout: every held-out split's result by name
+    (validation included), summarized per length."""
     full = (passkey or {}).get("modes", {}).get("full")
     comp = (passkey or {}).get("modes", {}).get("compressed")
     lengths_ok = {k: v for k, v in (ppl or {}).get("lengths", {}).items() if v.get("windows")}
@@ -151,6 +160,15 @@ def build_report(
         "bits_per_byte": {k: v["bits_per_byte"] for k, v in lengths_ok.items()} or None,
         "ppl_by_position": {
             k: {"bucket_start": v["bucket_start"], "loss": v["loss_by_bucket"]} for k, v in lengths_ok.items()
+        }
+        or None,
+        "heldout": {
+            split: {
+                k: {key: v.get(key) for key in ("loss", "loss_se", "perplexity", "bits_per_byte", "windows")}
+                for k, v in res.get("lengths", {}).items()
+                if v.get("windows")
+            }
+            for split, res in (heldout or {}).items()
         }
         or None,
         "harness": harness or None,
@@ -243,8 +261,30 @@ def report_markdown(report: dict[str, Any]) -> str:
                 f"| {_f(comp.get(k), 2)} | {_pct(frac.get(k))} |"
             )
         lines += ["", "Loss by position: `perplexity.png`; passkey heatmaps: `passkey.png`.", ""]
+    lines += _heldout_markdown(r.get("heldout"))
     lines += _harness_markdown(r.get("harness"))
     return "\n".join(lines)
+
+
+def _heldout_markdown(h: dict[str, Any] | None) -> list[str]:
+    if not h:
+        return []
+    lines = [
+        "## Held-out splits (loss +- standard error over windows)",
+        "",
+        "| split | length | windows | loss | perplexity | bits/byte |",
+        "|---|---|---|---|---|---|",
+    ]
+    for split, by_len in h.items():
+        for k, v in by_len.items():
+            se = v.get("loss_se")
+            se_txt = f" +- {se:.4f}" if isinstance(se, float) and math.isfinite(se) else ""
+            lines.append(
+                f"| {split} | {k} | {v['windows']} | {v['loss']:.4f}{se_txt} | {v['perplexity']:.2f} "
+                f"| {_f(v.get('bits_per_byte'), 4)} |"
+            )
+    files = ", ".join(f"`{'perplexity' if s == 'validation' else 'perplexity-' + s}.png`" for s in h)
+    return [*lines, "", f"Loss by position per split: {files}.", ""]
 
 
 def _harness_markdown(h: dict[str, Any] | None) -> list[str]:
@@ -367,6 +407,19 @@ def report_metrics(report: dict[str, Any] | None) -> dict[str, float | None]:
         "passkey_accuracy_compressed": _passkey(report.get("passkey_accuracy_compressed")),
         "cache_fraction": _number(report.get("cache_fraction")),
     }
+
+
+def heldout_metrics(report: dict[str, Any] | None) -> dict[str, float]:
+    """{"loss:<split>": eval loss at the training length} for every held-out split of the report (in-domain
+    and out-of-domain side by side); {} for reports without them."""
+    heldout = report.get("heldout") if isinstance(report, dict) else None
+    seq_len = str(report.get("seq_len")) if isinstance(report, dict) else None
+    out: dict[str, float] = {}
+    for split, by_len in (heldout if isinstance(heldout, dict) else {}).items():
+        v = by_len.get(seq_len) if isinstance(by_len, dict) else None
+        if isinstance(v, dict) and _number(v.get("loss")) is not None:
+            out[f"loss:{split}"] = float(v["loss"])
+    return out
 
 
 def harness_metrics(report: dict[str, Any] | None) -> dict[str, float]:
