@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fpa_model.config import AttentionConfig, ModelConfig  # noqa: E402
+from fpa_model.config import ATTENTION_IMPLS, AttentionConfig, ModelConfig  # noqa: E402
 from fpa_model.model import GPT  # noqa: E402
 from pipeline.loss import lm_loss  # noqa: E402
 from pipeline.metrics import measure_peak_flops  # noqa: E402
@@ -91,7 +91,7 @@ def build(kind: str, args: argparse.Namespace) -> GPT:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", default="fpa,fox,softmax,softmax-sdpa")
-    p.add_argument("--impl", default="chunked", choices=["naive", "chunked", "triton", "auto"])
+    p.add_argument("--impl", default="chunked", choices=list(ATTENTION_IMPLS))
     p.add_argument("--block-size", type=int, default=AttentionConfig().block_size)
     p.add_argument("--steps", type=int, default=10, help="timed steps per kind")
     p.add_argument("--warmup", type=int, default=2)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fpa_model.config import ATTENTION_KINDS
 from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
@@ -119,7 +120,7 @@ class LayerCache:
         q_bound: float | None = None,
         k_bound: float | None = None,
     ) -> None:
-        if kind not in ("fpa", "fox", "softmax"):
+        if kind not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention kind {kind!r}")
         self.kind = kind
         self.policy = policy or EvictionPolicy()
