@@ -263,6 +263,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
                 raise Preempted(state.step, ckpt.last_saved)
         if not ckpt.saved(state.step):  # resumed at max_steps with nothing new: make sure one exists
             save()
+        latest = ckpt.latest()
         summary = {
             "final_loss": state.last_loss if math.isfinite(state.last_loss) else None,
             "val_loss": state.val_loss,
@@ -271,7 +272,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
             "tokens": state.tokens_seen,
             "skipped_steps": state.skipped,
             "parameters": n_params,
-            "checkpoint": str(ckpt.latest()) if ckpt.latest() else None,
+            "checkpoint": str(latest) if latest else None,
             "wandb_run_id": logger.run_id if info.is_main else None,
         }
         if policy.spikes.enabled:

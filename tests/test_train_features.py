@@ -224,9 +224,12 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {s: r["loss"] for s, r in read_metrics(run_dir).items() if "loss" in r}
 
 
-def test_trainer_with_chunked_loss_and_activation_checkpointing_matches_plain(cfg_path, tmp_path):
-    """Same curve and validation loss with both memory savers on; the wsd lr lands in metrics.jsonl."""
+@pytest.mark.parametrize("stage", [0, 2])
+def test_trainer_with_chunked_loss_and_activation_checkpointing_matches_plain(stage, cfg_path, tmp_path):
+    """Same curve and validation loss with both memory savers on (ZeRO-2: the head's gradient reaches
+    DeepSpeed's partitioned buffers); the wsd lr lands in metrics.jsonl."""
     over = ["train.max_steps=6", "train.val_every=6", "train.schedule=wsd", "train.decay_fraction=0.5"]
+    over.append(f"train.zero_stage={stage}")
     a, b = tmp_path / "a", tmp_path / "b"
     pa = run_training(cfg_path, [*over, f"runs_dir={a}"])
     pb = run_training(
