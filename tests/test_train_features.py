@@ -246,6 +246,21 @@ def test_trainer_with_chunked_loss_and_activation_checkpointing_matches_plain(st
     assert [r["lr"] for r in read_metrics(b / "t").values()][1:3] == [tc.lr, tc.lr]  # stable phase
 
 
+@pytest.mark.distributed
+def test_sequence_parallel_trainer_with_chunked_loss_matches_one_rank(cfg_path, tmp_path):
+    """Two ranks sharing every sequence, each applying the head to its chunks of tokens: the group-wide
+    loss and its gradient give the 1-rank plain curve."""
+    over = ["train.micro_batch=2", "train.grad_accum=2", "train.max_steps=4"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_training(cfg_path, [*over, f"runs_dir={a}"])
+    sp = ["parallel.sequence=2", "train.loss_chunk_tokens=24"]
+    run_training(cfg_path, [*over, *sp, f"runs_dir={b}"], nproc=2)
+    la, lb = losses(a / "t"), losses(b / "t")
+    assert sorted(lb) == [1, 2, 3, 4]
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], rel=5e-5), s
+
+
 SPIKE = [
     "train.micro_batch=2",
     "train.grad_accum=2",
