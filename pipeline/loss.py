@@ -67,7 +67,8 @@ def _sum_over_group(loss_sum: Tensor, count: Tensor, group: Any) -> tuple[Tensor
     dist.all_reduce(total, group=group)
     count = count.clone()
     dist.all_reduce(count, group=group)
-    return loss_sum + (total - loss_sum.detach()), count
+    # x - x.detach() is exactly 0 with gradient 1: the value is the total itself, the same on every rank.
+    return (loss_sum - loss_sum.detach()) + total, count
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
