@@ -36,7 +36,7 @@ def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -
     }
     if d.precision == "bf16":  # resolved by pipeline.config (never with ZeRO-0: TrainConfig refuses it)
         ds["bf16"] = {"enabled": True}
-        # bf16 gradient accumulation drifts; accumulate in fp32 (ENVIRONMENT.md).
+        # bf16 gradient accumulation drifts over many micro batches: accumulate in fp32.
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     return ds
 

@@ -74,8 +74,17 @@ def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
 def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     # The global batch, not how it is split (micro batch x accumulation x ranks), defines the run: a job
     # resumed on another number of ranks with the same global batch continues the same training.
+    # Memory savers (activation checkpointing, the chunked loss) compute the same losses: switching one on
+    # to fit a resumed job into less memory continues the same run.
     train = _asdict(cfg.train)
-    for volatile in ("log_every", "checkpoint", "micro_batch", "grad_accum"):
+    for volatile in (
+        "log_every",
+        "checkpoint",
+        "micro_batch",
+        "grad_accum",
+        "activation_checkpointing",
+        "loss_chunk_tokens",
+    ):
         train.pop(volatile, None)
     index = cfg.data_dir / "index.json"
     return {

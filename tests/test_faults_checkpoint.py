@@ -85,7 +85,7 @@ def runner(cfg: Path, overrides: list[str], env: dict[str, str] | None = None, *
     if not env or POISON_ENV not in env:
         return run_training(cfg, overrides, env=env, **kw)
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
-    full.pop("PYTEST_CURRENT_TEST", None)
+    full.pop("FPA_QUIET_WANDB", None)
     return subprocess.run(
         [sys.executable, __file__, str(cfg), *overrides],
         cwd=REPO,
@@ -187,7 +187,7 @@ logging: {{wandb_mode: disabled, progress: false}}
 def fpa(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("PYTEST_CURRENT_TEST", None)
+    env.pop("FPA_QUIET_WANDB", None)
     return subprocess.run(
         [sys.executable, "-m", "launch.cli", *args],
         cwd=REPO,

@@ -57,7 +57,8 @@ def test_attention_shapes_and_gradients(kind, field):
 
 
 def test_fpa_gate_field_equals_fox():
-    """FPA.md: with the gate parametrization the field never rises, so FPA is exactly FoX."""
+    """docs/design.md, "The first-passage bias": with the gate parametrization the field never rises, so
+    FPA is exactly FoX."""
     fpa = _attn(kind="fpa", field="gate", field_weight_std=0.1)
     fox = _attn(kind="fox", field="walk", field_weight_std=0.1)  # fox always uses the gate field
     fox.load_state_dict(fpa.state_dict())

@@ -314,7 +314,7 @@ def test_torchrun_forwards_sigusr1_and_both_ranks_checkpoint(cfg_path, reference
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {
-        **{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        **{k: v for k, v in os.environ.items() if k != "FPA_QUIET_WANDB"},
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
         "FPA_TEST_LOADER_DELAY": "0.3",

@@ -130,7 +130,7 @@ def run_training(
     else:
         cmd = [sys.executable, script]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    full_env.pop("PYTEST_CURRENT_TEST", None)
+    full_env.pop("FPA_QUIET_WANDB", None)  # W&B as a user runs it, unless the config asks quiet
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(k, None)
     # Own process group: on a timeout the whole group goes (torchrun's workers would outlive it).
@@ -160,7 +160,7 @@ def run_training(
 def popen_training(config: Path, overrides: list[str], env: dict[str, str]) -> subprocess.Popen:
     """One training process left running (for signals, kills and a second trainer), cwd = repo root."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
-    full_env.pop("PYTEST_CURRENT_TEST", None)
+    full_env.pop("FPA_QUIET_WANDB", None)  # W&B as a user runs it, unless the config asks quiet
     return subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), str(config), *overrides],
         cwd=REPO,
