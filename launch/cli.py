@@ -148,7 +148,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.collect:
-        print(collect_sweep(Path(args.sweep)))
+        print(collect_sweep(Path(args.sweep), out=args.out))
     else:
         run_sweep(Path(args.sweep), mode="local" if args.local else "slurm", dry_run=args.dry_run)
     return 0
@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--local", action="store_true", help="run the grid here, one run after another")
     sp.add_argument("--dry-run", action="store_true", help="print what would run")
     sp.add_argument("--collect", action="store_true", help="gather the runs' eval reports into one table")
+    sp.add_argument("--out", help="with --collect: write the table here (default runs/sweeps/<name>/)")
     sp.set_defaults(fn=cmd_sweep)
 
     # Parsed by experiments.synthetic itself (main() hands it the rest of the command line).

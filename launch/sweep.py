@@ -365,9 +365,10 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def collect_sweep(path: str | Path) -> Path:
-    """Gather every run's <run_dir>/eval/report.json into results.md, results.csv and results.png
-    under <runs_dir>/sweeps/<name>/ (missing values show as "-"); return that folder."""
+def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
+    """Gather every run's <run_dir>/eval/report.json into results.md, results.csv, results.png and
+    results.json (the table with the collect command, commit and machine, and the commit each run was
+    trained at) under `out`, default <runs_dir>/sweeps/<name>/ (missing values show as "-"); return it."""
     # Here, not at the top: the evaluation package imports torch, which launching does not otherwise need.
     from pipeline.evaluation.report import (
         METRICS,
@@ -379,7 +380,9 @@ def collect_sweep(path: str | Path) -> Path:
         read_report,
         report_metrics,
     )
+    from pipeline.provenance import provenance, provenance_md
 
+    argv = ["sweep", str(path), "--collect", *([] if out is None else ["--out", str(out)])]
     sweep = load_sweep(path)
     keys = list(sweep.grid)
     short = _short_keys(keys)
@@ -389,8 +392,8 @@ def collect_sweep(path: str | Path) -> Path:
     # Extra columns found in the reports: eval loss per held-out split, lm-eval scores (eval.harness).
     harness_cols: list[str] = []
     for run in sweep.runs:
-        path = run.run_dir / "eval" / "report.json"
-        status, report = read_report(path)
+        report_path = run.run_dir / "eval" / "report.json"
+        status, report = read_report(report_path)
         harness = {**heldout_metrics(report), **harness_metrics(report)}
         harness_cols += [c for c in harness if c not in harness_cols]
         grid_values = {short[k]: run.values[k] for k in keys}
@@ -399,26 +402,34 @@ def collect_sweep(path: str | Path) -> Path:
         if curve:
             curves[run.name] = curve
         try:
-            check_report(report, path)
+            check_report(report, report_path)
             complete.append(run.run_dir)
         except ValueError:
             pass
     for row in table:  # a run without a task's score: empty there
         for c in harness_cols:
             row.setdefault(c, None)
-    out = sweep.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out) if out is not None else sweep.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
     columns = ["run", *(short[k] for k in keys), *METRICS, *harness_cols, "status"]
+    prov = provenance(argv, program="fpa")
+    trained_at = {run.name: _trained_at(run.run_dir) for run in sweep.runs}
 
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(columns)
     for row in table:
         writer.writerow(["" if row[c] is None else row[c] for c in columns])
-    (out / "results.csv").write_text(buf.getvalue())
+    (out_dir / "results.csv").write_text(buf.getvalue())
 
     found = sum(r["status"] == "ok" for r in table)
-    text = [f"# Sweep {sweep.name}\n", f"{len(table)} runs, {found} with an eval report ({sweep.path}).\n"]
+    commits = sorted({c[:10] for c in trained_at.values() if c})
+    text = [
+        f"# Sweep {sweep.name}\n",
+        provenance_md(prov) + "\n",
+        f"{len(table)} runs, {found} with an eval report ({sweep.path}); trained at commit "
+        f"{', '.join(commits) or 'unknown'}.\n",
+    ]
     numeric = {*METRICS, *harness_cols}
     cells = [[_fmt(r[c]) if c in numeric else str(r[c]) for c in columns] for r in table]
     text.append(_markdown(columns, cells))
@@ -427,9 +438,26 @@ def collect_sweep(path: str | Path) -> Path:
         text += ["## Mean ± std over seeds\n", summary]
     if complete:
         text += ["## Details (runs with a complete report)\n", compare_reports(complete)]
-    (out / "results.md").write_text("\n".join(text))
-    _plot(out / "results.png", sweep.name, table, curves)
-    return out
+    (out_dir / "results.md").write_text("\n".join(text))
+    record = {
+        "sweep": sweep.name,
+        "provenance": prov,
+        "trained_at": trained_at,
+        "columns": columns,
+        "runs": table,
+    }
+    (out_dir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    _plot(out_dir / "results.png", sweep.name, table, curves)
+    return out_dir
+
+
+def _trained_at(run_dir: Path) -> str | None:
+    """The commit a run's code was at (its git.json), None when unknown."""
+    try:
+        sha = json.loads((run_dir / "git.json").read_text()).get("sha")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sha if isinstance(sha, str) and sha != "unknown" else None
 
 
 def _group_summary(table: list[dict[str, Any]], grid_cols: list[str], metrics: Sequence[str]) -> str:

@@ -503,6 +503,27 @@ def test_collect_has_a_loss_column_per_heldout_split(tmp_path: Path) -> None:
     assert "| fpa | 3 ± 1.4 (n=2) |" in md and "5.5 ± 0.71 (n=2)" in md  # seed means of both splits
 
 
+def test_collect_says_where_its_figures_came_from(tmp_path: Path) -> None:
+    """results.md/json name the collect command, its commit and machine, and the commit each run was
+    trained at; --out writes them elsewhere (docs/results/<name>/ for the README)."""
+    sweep = write_sweep(tmp_path, SWEEP)
+    runs = expand_sweep(sweep)
+    for i, run in enumerate(runs[:2]):
+        (run.run_dir / "eval").mkdir(parents=True)
+        (run.run_dir / "eval" / "report.json").write_text(json.dumps(_report("fpa", 2.0 + i, 1.0, 0.5)))
+        (run.run_dir / "git.json").write_text(json.dumps({"sha": "ab" * 20, "dirty": False}))
+    out = collect_sweep(sweep, out=tmp_path / "docs" / "abl")
+    assert out == tmp_path / "docs" / "abl" and not (tmp_path / "runs" / "sweeps" / "abl").exists()
+    record = json.loads((out / "results.json").read_text())
+    prov = record["provenance"]
+    assert prov["command"] == f"fpa sweep {sweep} --collect --out {tmp_path / 'docs' / 'abl'}"
+    assert len(prov["commit"]) == 40 and prov["machine"]["cores"] >= 1
+    assert record["trained_at"][runs[0].name] == "ab" * 20 and record["trained_at"][runs[2].name] is None
+    assert [r["final_val_loss"] for r in record["runs"][:2]] == [2.0, 3.0]
+    md = (out / "results.md").read_text()
+    assert prov["command"] in md and prov["commit"][:10] in md and "trained at commit abababab" in md
+
+
 def test_ppl_curve_takes_the_longest_length_in_perplexity() -> None:
     pos, ppl = ppl_curve(_report("fpa", 1.0, 1.0, 1.0)["ppl_by_position"])
     assert pos == [0.0, 256.0] and ppl == pytest.approx([40.0, 25.0])

@@ -25,14 +25,15 @@ def test_readme_blocks_match_their_result_files() -> None:
 
 
 def test_every_result_says_commit_machine_and_command() -> None:
-    results = sorted((ROOT / "docs" / "results").glob("*/result.json"))
+    docs = ROOT / "docs" / "results"
+    results = sorted([*docs.glob("*/result.json"), *docs.glob("*/results.json")])  # bench / sweep --collect
     assert results
     for path in results:
         prov = json.loads(path.read_text())["provenance"]
         assert len(prov["commit"]) == 40, path
-        assert prov["command"].startswith("python "), path
+        assert prov["command"].startswith(("python ", "fpa ")), path
         assert prov["machine"]["cpu"] and prov["machine"]["cores"] >= 1, path
-        md = (path.parent / "result.md").read_text()
+        md = path.with_suffix(".md").read_text()
         assert prov["commit"][:10] in md and prov["command"] in md, (
             f"{path.parent}/result.md lacks its provenance"
         )
