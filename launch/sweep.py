@@ -426,6 +426,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     commits = sorted({c[:10] for c in trained_at.values() if c})
     text = [
         f"# Sweep {sweep.name}\n",
+        "## Runs\n",
         provenance_md(prov) + "\n",
         f"{len(table)} runs, {found} with an eval report ({sweep.path}); trained at commit "
         f"{', '.join(commits) or 'unknown'}.\n",
