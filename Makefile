@@ -34,7 +34,7 @@ demo: $(STAMP)
 # fails, and the target fails if either did.
 test: $(STAMP) $(STAMP36)
 	rc=0; \
-	$(VENV)/bin/python -m pytest -q || rc=1; \
+	$(VENV)/bin/python -m pytest -q --durations=25 || rc=1; \
 	$(TRITON36_TESTS); \
 	exit $$rc
 
