@@ -143,16 +143,20 @@ def _evaluate(
             logger=logger,
             device=device,
         )
+    # Every held-out split is read the same way; the evicting cache is measured on "validation" alone.
+    ppl_args = {
+        "data_dir": cfg.data_dir,
+        "seq_len": seq_len,
+        "multipliers": list(cfg.eval.ppl_length_multipliers),
+        "bucket": cfg.eval.ppl_bucket,
+        "sequences": cfg.eval.ppl_sequences,
+        "out_dir": out_dir,
+        "device": device,
+    }
     ppl = run_perplexity(
         model,
         tokenizer,
-        data_dir=cfg.data_dir,
-        seq_len=seq_len,
-        multipliers=list(cfg.eval.ppl_length_multipliers),
-        bucket=cfg.eval.ppl_bucket,
-        sequences=cfg.eval.ppl_sequences,
-        out_dir=out_dir,
-        device=device,
+        **ppl_args,
         evict=EvictionPolicy(
             enabled=cfg.eval.cache.evict,
             delta=cfg.eval.cache.delta,
@@ -161,23 +165,10 @@ def _evaluate(
         ),
         prefill_chunk=cfg.eval.cache.prefill_chunk,
     )
-    # The other held-out splits (data.extra_validation): loss by position only, the evicting cache is
-    # measured on "validation" alone.
     heldout = {"validation": ppl}
     for split in index.splits:
-        if split not in ("train", "validation"):
-            heldout[split] = run_perplexity(
-                model,
-                tokenizer,
-                data_dir=cfg.data_dir,
-                seq_len=seq_len,
-                multipliers=list(cfg.eval.ppl_length_multipliers),
-                bucket=cfg.eval.ppl_bucket,
-                sequences=cfg.eval.ppl_sequences,
-                out_dir=out_dir,
-                device=device,
-                split=split,
-            )
+        if split not in ("train", "validation"):  # data.extra_validation
+            heldout[split] = run_perplexity(model, tokenizer, **ppl_args, split=split)
     harness = None
     if cfg.eval.harness.tasks:
         from pipeline.harness import run_harness  # lm-eval + transformers (the hf extra): only when asked
