@@ -115,6 +115,8 @@ def compile_scan(name: str, arch: str, workdir: Path) -> dict:
     return {**row, "head_dim": "-", "tile": str(tk.SCAN_BLOCK)}
 
 
+# Not pipeline.provenance.cpu_model: this script also runs in the Triton-3.6 test venv, which has only
+# torch, triton and numpy (pipeline imports omegaconf).
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
