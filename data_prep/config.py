@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 SOURCE_TYPES = ("packaged", "text", "jsonl", "parquet", "hf")
 PACKAGED_CORPORA = ("kjv", "wiki_summaries")
@@ -18,6 +21,9 @@ class SourceConfig:
     hf_config: str | None = None
     hf_split: str = "train"
     max_docs: int | None = None  # cap for quick runs
+    # Leave out the first skip_docs documents (before max_docs applies): a train source and a held-out
+    # split can take disjoint parts of one corpus (configs/data/mixture.yaml).
+    skip_docs: int = 0
     # text sources: split each file into documents at this string (e.g. "\n\n\n"); None: one per file
     doc_separator: str | None = None
     # Packaged "kjv" only: keep just these books (None: all), or drop these; a held-out split of whole
@@ -36,6 +42,8 @@ class SourceConfig:
             raise ValueError(f"a data source of type {self.type!r} needs paths (files, folders or globs)")
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"data source max_docs must be >= 1 or null, got {self.max_docs}")
+        if self.skip_docs < 0:
+            raise ValueError(f"data source skip_docs must be >= 0, got {self.skip_docs}")
         if self.doc_separator == "":
             raise ValueError("data source doc_separator must be a non-empty string or null")
         if (self.books is not None or self.exclude_books) and (self.type, self.name) != ("packaged", "kjv"):
@@ -44,6 +52,15 @@ class SourceConfig:
             )
         if self.books is not None and not self.books:
             raise ValueError("data source books is empty: list at least one book, or null for all")
+
+
+@dataclass
+class MixtureSourceConfig(SourceConfig):
+    """A train source of a weighted mixture (data.mixture.<name>): a source plus its sampling weight."""
+
+    # Share of the training sequences drawn from this source: weight / sum of weights (>= 0; 0 leaves the
+    # source prepared but unused). Checked by DataConfig, which knows the source's name.
+    weight: float = 1.0
 
 
 @dataclass
@@ -61,6 +78,10 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     train: SourceConfig = field(default_factory=SourceConfig)
+    # A weighted mixture of train sources, by name; when set it IS the train split and data.train is
+    # ignored. Each source is tokenized into its own shards (train/<name>-NNNNN.tar) and the loader draws
+    # weight-proportional counts from them every epoch (data_prep.loader). Empty: the single data.train.
+    mixture: dict[str, MixtureSourceConfig] = field(default_factory=dict)
     # Held-out split: its own source, or (None) the last `val_fraction` of the train documents.
     validation: SourceConfig | None = None
     # More held-out splits, by name (e.g. an out-of-domain corpus beside an in-domain "validation"):
@@ -72,7 +93,15 @@ class DataConfig:
     sequences_per_member: int = 64  # sequences packed into one tar member
     sequences_per_shard: int = 4096
     max_doc_chars: int = 100_000  # longer documents are split
-    num_workers: int = 0  # tokenizer threads in prepare (0: all cores; RAYON_NUM_THREADS wins)
+    num_workers: int = (
+        0  # tokenizer threads per prepare process (0: all cores / processes; RAYON_NUM_THREADS wins)
+    )
+    # Tokenizer processes in prepare: 1 tokenizes in the prepare process itself; N > 1 spreads the batches
+    # over N worker processes (the Python side of tokenization scales too). The bytes written are the same.
+    prepare_processes: int = 1
+    # Slurm only (`fpa launch slurm`, `fpa sweep`): > 1 runs prepare as a job array of this many parts
+    # plus a merge job; the data is byte-identical to a one-job prepare.
+    prepare_parts: int = 1
     # Documents per tokenizer batch: big enough for encode_batch to use every core, small enough to cap
     # memory (the token lists of one batch live in Python at once).
     tokenize_batch_docs: int = 2048
@@ -115,6 +144,10 @@ class DataConfig:
                 )
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        for key in ("prepare_processes", "prepare_parts"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        self._check_mixture()
         if self.out_dir is not None and (self.out_dir.startswith("pipe:") or "://" in self.out_dir):
             # A config value never runs a command (pipe:), and the stages treat data_dir as a local Path
             # (which would turn "s3://b" into "s3:/b"); ShardLoader's Python API still reads both.
@@ -122,3 +155,45 @@ class DataConfig:
                 f"data.out_dir must be a local directory, not {self.out_dir!r}: pipe: commands and URLs "
                 f"are refused (copy the data to a local or mounted path; for file://, give the path alone)"
             )
+
+    def _check_mixture(self) -> None:
+        if not self.mixture:
+            return
+        for name, src in self.mixture.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(
+                    f"data.mixture source name {name!r} must be a plain name (letters, digits, _ . -)"
+                )
+            if not (isinstance(src.weight, int | float) and math.isfinite(src.weight) and src.weight >= 0):
+                raise ValueError(f"data.mixture.{name}.weight must be a finite number >= 0, got {src.weight}")
+        if not any(src.weight > 0 for src in self.mixture.values()):
+            raise ValueError(
+                f"data.mixture: every weight is 0 ({', '.join(self.mixture)}): give one a weight > 0"
+            )
+        if self.passkey_mix > 0:
+            raise ValueError("data.passkey_mix works with a single data.train source, not with data.mixture")
+
+    def train_sources(self) -> dict[str, SourceConfig]:
+        """The train split's sources by name, in the order they are prepared and stored: the mixture's,
+        sorted by name (so reordering the YAML changes nothing), or {"train": data.train}."""
+        if self.mixture:
+            return {name: self.mixture[name] for name in sorted(self.mixture)}
+        return {"train": self.train}
+
+
+def data_config_dict(cfg: DataConfig) -> dict[str, Any]:
+    """The data config as a plain dict for hashing: keys added after a layout was in use are left out
+    while they hold their defaults, so data prepared before them keeps its fingerprint and is reused; an
+    ignored data.train (a mixture is set) is left out too."""
+    d = dataclasses.asdict(cfg)
+    for key in ("prepare_processes", "prepare_parts"):  # how, not what: never change a byte
+        d.pop(key, None)
+    sources = [d["train"], d["validation"], *d["extra_validation"].values(), *d["mixture"].values()]
+    for src in sources:
+        if src is not None and src.get("skip_docs") == 0:
+            del src["skip_docs"]
+    if not cfg.mixture:
+        d.pop("mixture", None)
+    else:
+        d.pop("train", None)
+    return d

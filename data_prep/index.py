@@ -52,6 +52,10 @@ class DataIndex:
     config: dict[str, Any] = field(default_factory=dict)  # the data config that produced this directory
     sources: dict[str, Any] = field(default_factory=dict)  # per split: where the text came from
     version: int = INDEX_VERSION
+    # Per split prepared from a weighted mixture (data.mixture): its sources in shard order, each
+    # {"name", "weight", "shards" (how many of the split's shards, consecutive), "documents", "tokens",
+    # "sequences", "dropped_tokens"}. Absent for single-source splits.
+    mixture: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def sequences(self, split: str) -> int:
         return sum(s.sequences for s in self.shards(split))
@@ -67,11 +71,16 @@ class DataIndex:
         h = hashlib.sha256()
         for s in self.shards(split):
             h.update(f"{s.file}:{s.sha256}\n".encode())
+        for m in self.mixture.get(split, []):  # other weights give another order: not the same stream
+            h.update(f"{m['name']}:{m['weight']!r}:{m['shards']}\n".encode())
         return h.hexdigest()[:16]
 
     def to_json(self) -> str:
         # sorted keys and no timestamps: re-preparing the same input gives a byte-identical index
-        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        d = asdict(self)
+        if not d["mixture"]:  # single-source data keeps the index bytes it had before mixtures existed
+            del d["mixture"]
+        return json.dumps(d, indent=1, sort_keys=True) + "\n"
 
 
 def data_url(data_dir: Path | str, rel: str) -> str:

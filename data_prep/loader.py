@@ -12,6 +12,15 @@ permutation. A bigger corpus is shuffled within blocks of whole shards: a rank t
 webdataset and remote storage are good at. The trade-off is the usual shard-block shuffle: sequences
 from far-apart blocks never meet in one global batch of an epoch, but blocks move every epoch.
 
+Mixtures. A train split prepared from a weighted mixture (data.mixture; index.json "mixture") keeps each
+source in its own shards. An epoch still has as many positions as the split holds sequences; source j gets
+c_j of them, the weight-proportional share (largest remainder, so the c_j add up exactly), and the
+positions are a permutation seeded with (seed, epoch) of c_j labels j. The k-th draw from source j in an
+epoch is position k mod N_j of that source's own shard-block order for pass k // N_j (seeded with
+(seed, epoch, source, pass)): a source whose share exceeds its size is repeated, each repeat in a new
+order (sampling WITH repetition across passes, never within one); a source below its share contributes
+a different subset every epoch. Everything is still a function of (seed, epoch) only.
+
 Batches. With G = micro_batch * dp_world, step s of rank r gets global positions
 [s*G + r*micro_batch, s*G + (r+1)*micro_batch) of the epoch's order, so every rank gets the same number of
 rows every step. An epoch ends when fewer than G sequences remain: that tail is DROPPED for this epoch
@@ -64,6 +73,112 @@ class _Block:
     @property
     def size(self) -> int:
         return int(self.offsets[-1])
+
+
+class _Order:
+    """The shard-block order of a group of shards for one pass: a pass key (the epoch; for a mixture
+    source, epoch, source and pass) seeds the shard permutation with (seed, *key) and block b's
+    permutation with (seed, *key, b). The last plan and block permutation are cached."""
+
+    def __init__(self, shard_ids: list[int], sizes: list[int], seed: int, shuffle_block: int) -> None:
+        self.ids = shard_ids  # global shard indices of the group
+        self.sizes = sizes  # sequences per shard of the group
+        self.total = sum(sizes)
+        self.seed = seed
+        self.shuffle_block = shuffle_block
+        self._plan_key: tuple[int, ...] | None = None
+        self._plan: list[_Block] = []
+        self._perm_key: tuple[int, ...] | None = None
+        self._perm = np.zeros(0, dtype=np.int64)
+        self._first: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def _shard_order(self, key: tuple[int, ...]) -> list[int]:
+        order = np.random.default_rng([self.seed, *key]).permutation(len(self.ids))
+        return [self.ids[i] for i in order.tolist()]
+
+    def plan(self, key: tuple[int, ...]) -> list[_Block]:
+        if key == self._plan_key:
+            return self._plan
+        size = dict(zip(self.ids, self.sizes))
+        blocks: list[_Block] = []
+        current: list[int] = []
+        rows = 0
+        start = 0
+        for i in self._shard_order(key):
+            current.append(i)
+            rows += size[i]
+            if rows >= self.shuffle_block:
+                blocks.append(self._block(current, start, size))
+                start += rows
+                current, rows = [], 0
+        if current:
+            blocks.append(self._block(current, start, size))
+        self._plan_key, self._plan = key, blocks
+        return blocks
+
+    @staticmethod
+    def _block(shards: list[int], start: int, size: dict[int, int]) -> _Block:
+        offsets = np.concatenate([[0], np.cumsum([size[i] for i in shards])]).astype(np.int64)
+        return _Block(tuple(shards), offsets, start)
+
+    def perm(self, key: tuple[int, ...], b: int, block: _Block) -> np.ndarray:
+        if self._perm_key != (*key, b):
+            self._perm = np.random.default_rng([self.seed, *key, b]).permutation(block.size)
+            self._perm_key = (*key, b)
+        return self._perm
+
+    def first_block(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        """The shards of a pass's first block (to read ahead across a pass boundary), without planning."""
+        if key not in self._first:
+            size = dict(zip(self.ids, self.sizes))
+            first: list[int] = []
+            rows = 0
+            for i in self._shard_order(key):
+                first.append(i)
+                rows += size[i]
+                if rows >= self.shuffle_block:
+                    break
+            self._first = {key: tuple(first)}  # one remembered: the next pass's
+        return self._first[key]
+
+    def locate(
+        self, key: tuple[int, ...], a: int, b: int
+    ) -> Iterator[tuple[int, _Block, list[int], list[int]]]:
+        """(block index, block, shard ids, rows) for the positions [a, b) of a pass, block by block."""
+        plan = self.plan(key)
+        starts = [blk.start for blk in plan]
+        pos = a
+        while pos < b:
+            bi = int(np.searchsorted(starts, pos, side="right") - 1)
+            block = plan[bi]
+            end = min(b, block.start + block.size)
+            local = self.perm(key, bi, block)[pos - block.start : end - block.start]
+            k = np.searchsorted(block.offsets, local, side="right") - 1
+            shards = np.asarray(block.shards)[k].tolist()
+            yield bi, block, shards, (local - block.offsets[k]).tolist()
+            pos = end
+
+
+def apportion(total: int, weights: list[float]) -> list[int]:
+    """Integer counts proportional to weights that add up to total (largest remainder; ties to the
+    earlier source), e.g. apportion(10, [2, 1]) == [7, 3]."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = w / w.sum() * total
+    counts = np.floor(exact).astype(np.int64)
+    short = total - int(counts.sum())
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[:short]] += 1
+    return counts.tolist()
+
+
+_MIX_TAG = 0x313D  # separates the mixture's seeds from a single source's (seed, epoch, block)
+_CHECKPOINT = 4096  # positions between stored per-source counts of the mixture labels
+
+
+@dataclass(frozen=True)
+class _EpochMix:
+    labels: np.ndarray  # source of each position of the epoch (uint16)
+    counts: np.ndarray  # counts[c, j]: draws of source j before position c * _CHECKPOINT
 
 
 class ShardLoader:
@@ -119,11 +234,25 @@ class ShardLoader:
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._inflight: dict[int, Future[np.ndarray]] = {}
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="shards") if num_workers else None
-        self._plan_epoch = -1
-        self._plan: list[_Block] = []
-        self._perm_key: tuple[int, int] = (-1, -1)
-        self._perm = np.zeros(0, dtype=np.int64)
-        self._peek: tuple[int, tuple[int, ...]] = (-1, ())
+        # One shard-block order per source: the whole split, or each source of a mixture.
+        sizes = [s.sequences for s in self.shards]
+        self.mixture = self.index.mixture.get(split, [])
+        if self.mixture:
+            self.weights = [float(m["weight"]) for m in self.mixture]
+            self._orders = []
+            first = 0
+            for m in self.mixture:
+                ids = list(range(first, first + int(m["shards"])))
+                self._orders.append(_Order(ids, sizes[first : first + len(ids)], seed, shuffle_block))
+                first += len(ids)
+            if first != len(self.shards) or not any(w > 0 for w in self.weights):
+                raise DataError(f"index.json of {data_dir}: the {split} mixture does not match its shards")
+        else:
+            self.weights = []
+            self._orders = [_Order(list(range(len(sizes))), sizes, seed, shuffle_block)]
+        self._mix_epoch = -1
+        self._mix = _EpochMix(np.zeros(0, np.uint16), np.zeros((1, 0), np.int64))
+        self._keep: dict[int, set[int]] = {}  # per order: the shards of its current and next block
 
     # ------------------------------------------------------------------------------------------------
     # State
@@ -169,45 +298,79 @@ class ShardLoader:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The whole global order of an epoch as (shard, row) pairs, shape (sequences, 2); for tests."""
-        out = []
-        for bi, block in enumerate(self._epoch_plan(epoch)):
-            perm = self._block_perm(epoch, bi, block)
-            k = np.searchsorted(block.offsets, perm, side="right") - 1
-            shard = np.asarray(block.shards)[k]
-            out.append(np.stack([shard, perm - block.offsets[k]], axis=1))
-        return np.concatenate(out)
+        pairs = [(k, r) for part in self._locate(epoch, 0, self.sequences, read=False) for k, r in part]
+        return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
 
     def _epoch_plan(self, epoch: int) -> list[_Block]:
-        if epoch == self._plan_epoch:
-            return self._plan
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.shards))
-        blocks: list[_Block] = []
-        current: list[int] = []
-        rows = 0
-        start = 0
-        for i in order.tolist():
-            current.append(i)
-            rows += self.shards[i].sequences
-            if rows >= self.shuffle_block:
-                blocks.append(self._make_block(current, start))
-                start += rows
-                current, rows = [], 0
-        if current:
-            blocks.append(self._make_block(current, start))
-        self._plan_epoch, self._plan = epoch, blocks
-        return blocks
+        """The shard blocks of a single-source epoch (a mixture has one plan per source and pass)."""
+        return self._orders[0].plan((epoch,))
 
-    def _make_block(self, shards: list[int], start: int) -> _Block:
-        sizes = [self.shards[i].sequences for i in shards]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        return _Block(tuple(shards), offsets, start)
+    def epoch_counts(self, epoch: int) -> list[int]:
+        """Sequences drawn from each mixture source in an epoch ([all] for a single source)."""
+        if not self.mixture:
+            return [self.sequences]
+        return np.bincount(self._epoch_mix(epoch).labels, minlength=len(self.mixture)).tolist()
 
-    def _block_perm(self, epoch: int, b: int, block: _Block) -> np.ndarray:
-        if self._perm_key != (epoch, b):
-            self._perm = np.random.default_rng([self.seed, epoch, b]).permutation(block.size)
-            self._perm_key = (epoch, b)
-        return self._perm
+    def _epoch_mix(self, epoch: int) -> _EpochMix:
+        """Which source each position of a mixture epoch draws from, with running counts every
+        _CHECKPOINT positions (a batch then counts its draws from the nearest checkpoint only)."""
+        if epoch == self._mix_epoch:
+            return self._mix
+        counts = apportion(self.sequences, self.weights)
+        labels = np.repeat(np.arange(len(counts), dtype=np.uint16), counts)
+        labels = np.random.default_rng([self.seed, epoch, _MIX_TAG]).permutation(labels)
+        whole = len(labels) // _CHECKPOINT * _CHECKPOINT
+        chunks = labels[:whole].reshape(-1, _CHECKPOINT)
+        per_chunk = np.stack([(chunks == j).sum(1) for j in range(len(counts))], axis=1)
+        running = np.concatenate([np.zeros((1, len(counts)), np.int64), np.cumsum(per_chunk, 0)])
+        self._mix_epoch, self._mix = epoch, _EpochMix(labels, running)
+        return self._mix
+
+    def _locate(self, epoch: int, a: int, b: int, read: bool = True) -> Iterator[list[tuple[int, int]]]:
+        """(shard, row) of the global positions [a, b) of an epoch, in position order, in pieces; with
+        read, each piece's blocks are entered in the cache first (current kept, next read ahead)."""
+        if not self.mixture:
+            order = self._orders[0]
+            for bi, _, shards, rows in order.locate((epoch,), a, b):
+                if read:
+                    plan = order.plan((epoch,))
+                    nxt = plan[bi + 1].shards if bi + 1 < len(plan) else order.first_block((epoch + 1,))
+                    self._enter(0, plan[bi].shards, nxt)
+                yield list(zip(shards, rows))
+            return
+        mix = self._epoch_mix(epoch)
+        c0 = a // _CHECKPOINT
+        seg = mix.labels[c0 * _CHECKPOINT : b]
+        occ = np.zeros(len(seg), dtype=np.int64)
+        for j in np.unique(seg).tolist():
+            idx = np.nonzero(seg == j)[0]
+            occ[idx] = mix.counts[c0, j] + np.arange(len(idx))
+        skip = a - c0 * _CHECKPOINT
+        seg, occ = seg[skip:], occ[skip:]
+        out: list[tuple[int, int]] = [(0, 0)] * len(seg)
+        for j in np.unique(seg).tolist():
+            order = self._orders[j]
+            slots = np.nonzero(seg == j)[0]
+            draws = occ[slots]  # consecutive: the j-th source's draws in this range
+            passes = draws // order.total
+            for p in np.unique(passes).tolist():
+                sel = passes == p
+                lo, hi = int(draws[sel][0] % order.total), int(draws[sel][-1] % order.total) + 1
+                key = (epoch, _MIX_TAG, j, p)
+                got: list[tuple[int, int]] = []
+                for bi, _, shards, rows in order.locate(key, lo, hi):
+                    if read:
+                        plan = order.plan(key)
+                        nxt = (
+                            plan[bi + 1].shards
+                            if bi + 1 < len(plan)
+                            else order.first_block((*key[:3], p + 1))
+                        )
+                        self._enter(j, plan[bi].shards, nxt)
+                    got += zip(shards, rows)
+                for slot, pair in zip(slots[sel].tolist(), got):
+                    out[slot] = pair
+        yield out
 
     # ------------------------------------------------------------------------------------------------
     # Iteration
@@ -244,47 +407,20 @@ class ShardLoader:
 
     def _gather(self, epoch: int, a: int, b: int) -> np.ndarray:
         """Rows at global positions [a, b) of the epoch's order."""
-        plan = self._epoch_plan(epoch)
-        starts = [blk.start for blk in plan]
         parts = []
-        pos = a
-        while pos < b:
-            bi = int(np.searchsorted(starts, pos, side="right") - 1)
-            block = plan[bi]
-            end = min(b, block.start + block.size)
-            self._enter_block(epoch, bi, plan)
-            local = self._block_perm(epoch, bi, block)[pos - block.start : end - block.start]
-            k = np.searchsorted(block.offsets, local, side="right") - 1
-            for kk, row in zip(k.tolist(), (local - block.offsets[k]).tolist()):
-                parts.append(self._shard(block.shards[kk])[row])
-            pos = end
+        for piece in self._locate(epoch, a, b):
+            parts += [self._shard(k)[row] for k, row in piece]
         return np.stack(parts)
 
     # ------------------------------------------------------------------------------------------------
     # Shard cache
 
-    def _enter_block(self, epoch: int, bi: int, plan: list[_Block]) -> None:
-        """Keep the current block's shards and start reading the next block's in the background."""
-        nxt = plan[bi + 1].shards if bi + 1 < len(plan) else self._epoch_plan_peek(epoch + 1)
+    def _enter(self, source: int, current: tuple[int, ...], nxt: tuple[int, ...]) -> None:
+        """Keep a source's current block and start reading its next block in the background; the cache
+        keeps the current and next blocks of every source (one source: of the split)."""
         self._prefetch(list(nxt))
-        keep = set(plan[bi].shards) | set(nxt)
-        self._evict(keep)
-
-    def _epoch_plan_peek(self, epoch: int) -> tuple[int, ...]:
-        """The shards of an epoch's first block (to read ahead across the epoch boundary)."""
-        if self._peek[0] == epoch:
-            return self._peek[1]
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.shards)).tolist()
-        first: list[int] = []
-        rows = 0
-        for i in order:
-            first.append(i)
-            rows += self.shards[i].sequences
-            if rows >= self.shuffle_block:
-                break
-        self._peek = (epoch, tuple(first))
-        return self._peek[1]
+        self._keep[source] = set(current) | set(nxt)
+        self._evict(set().union(*self._keep.values()))
 
     def _read(self, i: int) -> np.ndarray:
         return read_shard(

@@ -19,8 +19,8 @@ filler count is capped so that a document fits one sequence.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -29,13 +29,14 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data_prep import passkey
-from data_prep.config import DataConfig
+from data_prep.config import DataConfig, SourceConfig, data_config_dict
 from data_prep.errors import DataError
 from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, sha256_file, write_index
 from data_prep.shards import SplitWriter, pick_dtype, tokenize_stream
@@ -50,7 +51,7 @@ _PASSKEY_SEED = 0x9A55  # fixed: the passkey documents and their positions are p
 
 def content_config(cfg: DataConfig) -> dict[str, Any]:
     """The config fields that determine the bytes written (not where they go or how many cores)."""
-    d = dataclasses.asdict(cfg)
+    d = data_config_dict(cfg)
     # seed/shuffle_block only steer the loader; packing is a stream, so batch sizes change no byte
     for k in ("out_dir", "num_workers", "seed", "shuffle_block", "tokenize_batch_docs"):
         d.pop(k, None)
@@ -134,7 +135,13 @@ def _config_diff(theirs: dict[str, Any], cfg: DataConfig) -> str:
 
 
 def _describe_sources(cfg: DataConfig) -> dict[str, Any]:
-    out = {"train": describe_source(cfg.train)}
+    out: dict[str, Any] = {"train": describe_source(cfg.train)}
+    if cfg.mixture:  # a mixture is the train split: its sources by name, with their weights
+        out["train"] = {
+            "mixture": {
+                name: {**describe_source(src), "weight": src.weight} for name, src in cfg.mixture.items()
+            }
+        }
     if cfg.validation is not None:
         out["validation"] = describe_source(cfg.validation)
     elif cfg.val_fraction > 0:
@@ -328,40 +335,122 @@ def _count(docs: Iterable[str]) -> int:
     return sum(1 for _ in docs)
 
 
-def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, Any]:
-    t0 = time.perf_counter()
+@dataclass
+class _Stream:
+    """One document stream that becomes shards: a split, or one mixture source of the train split."""
 
-    def train_source() -> Iterator[str]:
-        return iter_documents(cfg.train, max_doc_chars=cfg.max_doc_chars)
+    split: str
+    name: str  # shard file prefix: the split's name, or the mixture source's
+    label: str  # names the source in error messages
+    docs: Callable[[], Iterable[str]]  # a fresh pass over the documents
+    n_docs: int | None  # known count (progress bar), or None
+    passkey: int = 0  # passkey documents mixed in (counted in n_docs)
+    weight: float | None = None  # mixture sources only
 
-    # Counting costs a full read of the source: only when the split point or the passkey mix needs it.
-    n_train: int | None = None
-    n_val_from_train = 0
-    if (cfg.validation is None and cfg.val_fraction > 0) or cfg.passkey_mix > 0:
-        n_source = _count(train_source())
-        if n_source == 0:
-            raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
-        if cfg.validation is None and cfg.val_fraction > 0:
-            n_val_from_train = max(1, round(n_source * cfg.val_fraction))
-            if n_val_from_train >= n_source:
-                raise DataError(
-                    f"{source_label(cfg.train)}: only {n_source} documents, too few to hold out "
-                    f"data.val_fraction={cfg.val_fraction} for validation"
-                )
-        n_train = n_source - n_val_from_train
 
-    def train_docs() -> Iterator[str]:
-        return itertools.islice(train_source(), n_train)
+@dataclass
+class _TrainSource:
+    name: str
+    src: SourceConfig
+    label: str
+    n_train: int | None  # None: not counted (no split point or passkey mix needs it)
+    n_val: int  # documents at its end held out for validation (val_fraction, no validation source)
 
-    # Tokenizer: train on the train documents, or take the configured file verbatim.
-    t_tok = time.perf_counter()
+    def train_docs(self, cfg: DataConfig) -> Iterator[str]:
+        return itertools.islice(iter_documents(self.src, max_doc_chars=cfg.max_doc_chars), self.n_train)
+
+    def val_docs(self, cfg: DataConfig) -> Iterator[str]:
+        return itertools.islice(iter_documents(self.src, max_doc_chars=cfg.max_doc_chars), self.n_train, None)
+
+
+def _train_sources(cfg: DataConfig) -> list[_TrainSource]:
+    """The train split's sources, counted where the split point or the passkey mix needs it (a full read
+    of the source: only then)."""
+    out = []
+    hold_out = cfg.validation is None and cfg.val_fraction > 0
+    for name, src in cfg.train_sources().items():
+        label = f"data.mixture.{name} ({source_label(src)})" if cfg.mixture else source_label(src)
+        n_train, n_val = None, 0
+        if hold_out or cfg.passkey_mix > 0:
+            n_source = _count(iter_documents(src, max_doc_chars=cfg.max_doc_chars))
+            if n_source == 0:
+                raise DataError(f"{label}: no text (every document is empty)")
+            if hold_out:
+                n_val = max(1, round(n_source * cfg.val_fraction))
+                if n_val >= n_source:
+                    raise DataError(
+                        f"{label}: only {n_source} documents, too few to hold out "
+                        f"data.val_fraction={cfg.val_fraction} for validation"
+                    )
+            n_train = n_source - n_val
+        out.append(_TrainSource(name, src, label, n_train, n_val))
+    return out
+
+
+def _streams(cfg: DataConfig, train: list[_TrainSource], tok: Any) -> list[_Stream]:
+    """Every stream to write, in order: the train source(s), validation, the extra held-out splits."""
+    out = []
+    for t in train:
+        n_passkey = 0
+        docs: Callable[[], Iterable[str]] = functools.partial(t.train_docs, cfg)
+        if cfg.passkey_mix > 0:  # single source only (DataConfig refuses it with a mixture)
+            assert t.n_train is not None
+            n_passkey = passkey_count(cfg.passkey_mix, t.n_train)
+            docs = functools.partial(_mix_passkey, docs, t.n_train, n_passkey, cfg, tok)
+        n = None if t.n_train is None else t.n_train + n_passkey
+        weight = t.src.weight if cfg.mixture else None  # type: ignore[attr-defined]
+        out.append(_Stream("train", t.name, t.label, docs, n, n_passkey, weight))
+    if cfg.validation is not None:
+        val = cfg.validation
+        docs = functools.partial(iter_documents, val, max_doc_chars=cfg.max_doc_chars)
+        out.append(_Stream("validation", "validation", source_label(val), docs, None))
+    elif any(t.n_val for t in train):
+
+        def tails() -> Iterator[str]:
+            for t in train:
+                yield from t.val_docs(cfg)
+
+        n_val = sum(t.n_val for t in train)
+        out.append(_Stream("validation", "validation", "the validation documents", tails, n_val))
+    for name, src in cfg.extra_validation.items():
+        docs = functools.partial(iter_documents, src, max_doc_chars=cfg.max_doc_chars)
+        out.append(_Stream(name, name, f"data.extra_validation.{name} ({source_label(src)})", docs, None))
+    return out
+
+
+def _train_tokenizer(cfg: DataConfig, train: list[_TrainSource], progress: bool) -> tuple[bytes, Any, bool]:
+    """The tokenizer's bytes and object: trained on the train documents of every train source (before
+    any passkey documents, unweighted), or the configured file verbatim."""
     if cfg.tokenizer.path:
         raw, tok = read_tokenizer_file(cfg.tokenizer.path)
-        trained = False
-    else:
-        tok = train_tokenizer(train_docs(), cfg.tokenizer, length=n_train, progress=progress)
-        raw = tokenizer_json(tok)
-        trained = True
+        return raw, tok, False
+
+    def docs() -> Iterator[str]:
+        for t in train:
+            yield from t.train_docs(cfg)
+
+    counts = [t.n_train for t in train]
+    length = None if None in counts else sum(c for c in counts if c is not None)
+    tok = train_tokenizer(docs(), cfg.tokenizer, length=length, progress=progress)
+    return tokenizer_json(tok), tok, True
+
+
+def _check_stream(stream: _Stream, writer: SplitWriter, shards: list[Any], cfg: DataConfig) -> None:
+    # checked after the fact: no extra read of the source
+    if writer.stats.documents == stream.passkey:
+        raise DataError(f"{stream.label}: no text (every document is empty)")
+    if not shards:
+        raise DataError(
+            f"{stream.label}: {writer.stats.tokens} tokens do not fill one sequence of "
+            f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
+        )
+
+
+def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    train = _train_sources(cfg)
+    t_tok = time.perf_counter()
+    raw, tok, trained = _train_tokenizer(cfg, train, progress)
     tok_seconds = time.perf_counter() - t_tok
     where = str(cfg.tokenizer.path) if cfg.tokenizer.path else "the trained tokenizer"
     eod = eod_id(tok, cfg.tokenizer.eod_token, where)
@@ -369,57 +458,41 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     dtype = pick_dtype(vocab_size)
     (root / TOKENIZER_FILE).write_bytes(raw)
 
+    written = []
+    for stream in _streams(cfg, train, tok):
+        writer = _writer(root, stream.split, cfg, dtype, stream.name)
+        tokens = _tokenize(tok, raw, stream.docs(), eod, dtype, cfg)
+        _write_split(writer, tokens, stream.n_docs, progress)
+        shards = writer.close()
+        _check_stream(stream, writer, shards, cfg)
+        written.append((stream, shards, {**writer.stats.as_dict(), "passkey_documents": stream.passkey}))
+    return _finish(cfg, root, raw, vocab_size, dtype, eod, written, trained, tok_seconds, t0)
+
+
+def _finish(
+    cfg: DataConfig,
+    root: Path,
+    raw: bytes,
+    vocab_size: int,
+    dtype: str,
+    eod: int,
+    written: list[tuple[_Stream, list[Any], dict[str, int]]],
+    trained: bool,
+    tok_seconds: float,
+    t0: float,
+) -> dict[str, Any]:
+    """index.json from the written streams (a mixture's sources summed into its split) and the summary."""
     splits: dict[str, Any] = {}
     stats: dict[str, Any] = {}
-
-    # Train split, with the passkey mix.
-    n_passkey = 0
-    docs: Iterable[str] = train_docs()
-    if cfg.passkey_mix > 0:
-        assert n_train is not None
-        n_passkey = passkey_count(cfg.passkey_mix, n_train)
-        docs = _mix_passkey(docs, n_train, n_passkey, cfg, tok)
-    writer = _writer(root, "train", cfg, dtype)
-    total = None if n_train is None else n_train + n_passkey
-    _write_split(writer, tok, docs, total, eod, dtype, cfg, progress)
-    splits["train"] = writer.close()
-    stats["train"] = {**writer.stats.as_dict(), "passkey_documents": n_passkey}
-    if writer.stats.documents == n_passkey:  # checked after the fact: no extra read of the source
-        raise DataError(f"{source_label(cfg.train)}: no text (every document is empty)")
-    if not splits["train"]:
-        raise DataError(
-            f"{source_label(cfg.train)}: {writer.stats.tokens} tokens do not fill one sequence of "
-            f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
-        )
-
-    def _write_heldout(name: str, docs: Iterable[str], n_docs: int | None, label: str) -> None:
-        writer = _writer(root, name, cfg, dtype)
-        _write_split(writer, tok, docs, n_docs, eod, dtype, cfg, progress)
-        splits[name] = writer.close()
-        stats[name] = {**writer.stats.as_dict(), "passkey_documents": 0}
-        if writer.stats.documents == 0:
-            raise DataError(f"{label}: no text (every document is empty)")
-        if not splits[name]:
-            raise DataError(
-                f"{label}: {writer.stats.tokens} tokens do not fill one sequence of "
-                f"data.seq_len + 1 = {cfg.seq_len + 1} tokens"
-            )
-
-    # Held-out splits: validation, then the extra ones.
-    val_docs: Iterable[str] | None = None
-    n_val: int | None = None
-    if cfg.validation is not None:
-        val_docs = iter_documents(cfg.validation, max_doc_chars=cfg.max_doc_chars)
-    elif n_val_from_train:
-        n_val = n_val_from_train
-        val_docs = itertools.islice(train_source(), n_train, None)
-    if val_docs is not None:
-        label = source_label(cfg.validation) if cfg.validation else "the validation documents"
-        _write_heldout("validation", val_docs, n_val, label)
-    for name, src in cfg.extra_validation.items():
-        docs = iter_documents(src, max_doc_chars=cfg.max_doc_chars)
-        _write_heldout(name, docs, None, f"data.extra_validation.{name} ({source_label(src)})")
-
+    mixture: dict[str, list[dict[str, Any]]] = {}
+    for stream, shards, st in written:
+        splits.setdefault(stream.split, []).extend(shards)
+        total = stats.setdefault(stream.split, dict.fromkeys(st, 0))
+        for k, v in st.items():
+            total[k] += v
+        if stream.weight is not None:
+            entry = {"name": stream.name, "weight": stream.weight, "shards": len(shards), **st}
+            mixture.setdefault(stream.split, []).append(entry)
     index = DataIndex(
         tokenizer_sha256=hashlib.sha256(raw).hexdigest(),
         vocab_size=vocab_size,
@@ -431,6 +504,7 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
         stats=stats,
         config=content_config(cfg),
         sources=_describe_sources(cfg),
+        mixture=mixture,
     )
     write_index(index, root)
 
@@ -439,6 +513,8 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
         name: {**stats[name], "shards": len(shards), "bytes": sum(s.bytes for s in shards)}
         for name, shards in splits.items()
     }
+    for split, entries in mixture.items():
+        split_summary[split]["sources"] = source_summary(entries)
     tokens = sum(s["tokens"] for s in stats.values())
     return {
         "splits": split_summary,
@@ -453,7 +529,13 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     }
 
 
-def _writer(root: Path, split: str, cfg: DataConfig, dtype: str) -> SplitWriter:
+def source_summary(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mixture source: weight, documents, tokens, sequences (from index.json's "mixture")."""
+    keys = ("weight", "documents", "tokens", "sequences")
+    return {e["name"]: {k: e[k] for k in keys} for e in entries}
+
+
+def _writer(root: Path, split: str, cfg: DataConfig, dtype: str, name: str | None = None) -> SplitWriter:
     return SplitWriter(
         root,
         split,
@@ -461,25 +543,24 @@ def _writer(root: Path, split: str, cfg: DataConfig, dtype: str) -> SplitWriter:
         dtype=dtype,
         sequences_per_member=cfg.sequences_per_member,
         sequences_per_shard=cfg.sequences_per_shard,
+        name=name,
     )
 
 
+def _tokenize(
+    tok: Any, raw: bytes, docs: Iterable[str], eod: int, dtype: str, cfg: DataConfig
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(documents, tokens) per batch, in document order, in this process or in worker processes."""
+    return tokenize_stream(tok, docs, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs)
+
+
 def _write_split(
-    writer: SplitWriter,
-    tok: Any,
-    docs: Iterable[str],
-    total_docs: int | None,
-    eod: int,
-    dtype: str,
-    cfg: DataConfig,
-    progress: bool,
+    writer: SplitWriter, tokens: Iterable[tuple[int, np.ndarray]], total_docs: int | None, progress: bool
 ) -> None:
-    bar = _progress_bar(progress, total_docs, f"tokenize {writer.split}")
+    bar = _progress_bar(progress, total_docs, f"tokenize {writer.name}")
     try:
-        for n_docs, tokens in tokenize_stream(
-            tok, docs, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs
-        ):
-            writer.add_tokens(tokens, n_docs)
+        for n_docs, arr in tokens:
+            writer.add_tokens(arr, n_docs)
             bar(n_docs)
     finally:
         bar(None)
@@ -508,9 +589,10 @@ def passkey_count(mix: float, n_train: int) -> int:
 
 
 def _mix_passkey(
-    docs: Iterable[str], n_train: int, n_passkey: int, cfg: DataConfig, tok: Any
+    docs_fn: Callable[[], Iterable[str]], n_train: int, n_passkey: int, cfg: DataConfig, tok: Any
 ) -> Iterator[str]:
     """The train documents with n_passkey passkey documents inserted at seeded random positions."""
+    docs = docs_fn()
     per_filler = len(tok.encode(" " + passkey.FILLER, add_special_tokens=False).ids)
     key = 99999  # passkey_documents' default 5 digits; the longest key bounds the fixed part
     fixed_text = " " + passkey.NEEDLE.format(key=key) + " " + passkey.QUESTION + passkey.answer_text(key)

@@ -157,7 +157,8 @@ class SplitStats:
 
 
 class SplitWriter:
-    """Packs token batches into sequences and writes them as shards <split_dir>/<split>-NNNNN.tar."""
+    """Packs token batches into sequences and writes them as shards <split>/<name>-NNNNN.tar (name: the
+    split's, or a mixture source's, whose shards then sit beside the other sources' in the split)."""
 
     def __init__(
         self,
@@ -168,9 +169,11 @@ class SplitWriter:
         dtype: str,
         sequences_per_member: int,
         sequences_per_shard: int,
+        name: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.split = split
+        self.name = name or split
         self.row = seq_len + 1
         self.dtype = dtype
         self.per_member = sequences_per_member
@@ -208,7 +211,7 @@ class SplitWriter:
 
     def _write_shard(self, rows: np.ndarray) -> None:
         i = len(self.shards)
-        rel = f"{self.split}/{self.split}-{i:05d}.tar"
+        rel = f"{self.split}/{self.name}-{i:05d}.tar"
         path = self.root / rel
         members = 0
         # Plain tarfile writes the same USTAR layout as webdataset's TarWriter(mtime=0) without importing
@@ -216,7 +219,7 @@ class SplitWriter:
         with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
             for m in range(0, len(rows), self.per_member):
                 payload = _npy_bytes(rows[m : m + self.per_member])
-                info = tarfile.TarInfo(f"{self.split}-{i:05d}-{members:06d}.npy")
+                info = tarfile.TarInfo(f"{self.name}-{i:05d}-{members:06d}.npy")
                 info.size, info.mtime, info.mode = len(payload), 0, 0o444
                 info.uname = info.gname = "fpa"
                 tar.addfile(info, io.BytesIO(payload))

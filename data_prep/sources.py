@@ -87,6 +87,8 @@ def resolve_paths(src: SourceConfig) -> list[Path]:
 def describe_source(src: SourceConfig) -> dict[str, Any]:
     """What went into the corpus, for index.json: files with sizes, or the package and its version."""
     desc: dict[str, Any] = {"type": src.type, "name": src.name, "max_docs": src.max_docs}
+    if src.skip_docs:
+        desc["skip_docs"] = src.skip_docs
     if src.books is not None or src.exclude_books:
         desc.update(books=src.books, exclude_books=list(src.exclude_books))
     if src.type == "packaged":
@@ -128,11 +130,16 @@ def split_document(text: str, max_chars: int) -> list[str]:
 
 
 def iter_documents(src: SourceConfig, *, max_doc_chars: int) -> Iterator[str]:
-    """The documents of a source, length-capped, empty ones skipped, at most src.max_docs of them."""
+    """The documents of a source, length-capped, empty ones skipped, the first src.skip_docs left out, at
+    most src.max_docs of them."""
     count = 0
+    skip = src.skip_docs
     for raw in _raw_documents(src):
         for piece in split_document(raw, max_doc_chars):
             if not piece.strip():
+                continue
+            if skip:
+                skip -= 1
                 continue
             yield piece
             count += 1

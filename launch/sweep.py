@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from data_prep.config import data_config_dict
 from launch.slurm import (
     LaunchError,
     fill,
@@ -209,7 +210,7 @@ def _check_shared_data(
     # The keys that do not change the shards, as in pipeline.stages.prepare_inputs (which also hashes
     # the source files: too slow to repeat for every grid point).
     data = {
-        k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("num_workers", "out_dir", "seed")
+        k: v for k, v in data_config_dict(cfg.data).items() if k not in ("num_workers", "out_dir", "seed")
     }
     first = shared.setdefault(cfg.data_dir.resolve(), (run_name, data))
     if first[1] != data:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data_prep.config import data_config_dict
 from data_prep.index import sha256_file
 from data_prep.prepare import data_problem, prepare_data
 from pipeline.config import ConfigError, RunConfig, derive
@@ -43,7 +44,8 @@ def _asdict(obj: Any) -> Any:
 def _source_files(cfg: RunConfig) -> dict[str, str]:
     """Hashes of the local files the data sources read (packaged corpora: their package version)."""
     out: dict[str, str] = {}
-    sources = [cfg.data.train] + ([cfg.data.validation] if cfg.data.validation else [])
+    sources = list(cfg.data.train_sources().values())
+    sources += [cfg.data.validation] if cfg.data.validation else []
     sources += list(cfg.data.extra_validation.values())
     for src in sources:
         if src.type == "packaged":
@@ -65,7 +67,7 @@ def _source_files(cfg: RunConfig) -> dict[str, str]:
 
 
 def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
-    data = _asdict(cfg.data)
+    data = data_config_dict(cfg.data)  # newer keys at their defaults left out: old fingerprints stand
     for volatile in ("num_workers", "out_dir", "seed"):  # do not change the shards
         data.pop(volatile, None)
     return {"data": data, "files": _source_files(cfg)}

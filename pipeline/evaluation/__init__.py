@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from data_prep.index import load_index
+from data_prep.prepare import source_summary
 from data_prep.tokenizer import load_tokenizer
 from fpa_model.cache import EvictionPolicy
 from pipeline.config import ConfigError, RunConfig
@@ -189,6 +190,7 @@ def _evaluate(
         passkey_training=_passkey_training(cfg),
         heldout=heldout,
         harness=harness,
+        data_sources=source_summary(index.mixture.get("train", [])),
     )
     write_report(report, out_dir)
     headline = {
@@ -210,6 +212,8 @@ def _evaluate(
         summary = {
             f"eval/{k}": v for k, v in headline.items() if isinstance(v, int | float) and v is not None
         }
+        for name, src in (report["data_sources"] or {}).items():  # per mixture source
+            summary[f"data/{name}/tokens"] = src["tokens"]
         for task, metrics in ((harness or {}).get("tasks") or {}).items():
             summary.update({f"eval/harness/{task}/{m}": v for m, v in metrics.items()})
         logger.summary(summary)

@@ -39,6 +39,8 @@ a missing figure is null, never absent):
     harness                               lm-evaluation-harness (eval.harness): {"tasks": {task: {metric:
                                           value}}, "num_fewshot", "limit", "lm_eval_version"}; null when
                                           no task was asked for (reports written before it: read as null)
+    data_sources                          a mixture's train sources (data.mixture): {"<name>": {"weight",
+                                          "documents", "tokens", "sequences"}}; null for one source
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ REPORT_KEYS = (
     "ppl_by_position",
     "heldout",
     "harness",
+    "data_sources",
 )
 # Keys added to schema 1 later: a report written before them still loads, with the key read as null.
-LATER_KEYS = ("heldout", "harness")
+LATER_KEYS = ("heldout", "harness", "data_sources")
 
 
 def build_report(
@@ -97,6 +100,7 @@ def build_report(
     passkey_training: dict[str, Any] | None = None,
     harness: dict[str, Any] | None = None,
     heldout: dict[str, dict[str, Any]] | None = None,
+    data_sources: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results.
 
@@ -172,6 +176,7 @@ def build_report(
         }
         or None,
         "harness": harness or None,
+        "data_sources": data_sources or None,
     }
     assert tuple(report) == REPORT_KEYS
     return report
@@ -215,6 +220,17 @@ def report_markdown(report: dict[str, Any]) -> str:
             else []
         ),
         *([_passkey_training_line(r["passkey_training"])] if r.get("passkey_training") else []),
+        *(
+            [
+                "- training data, a mixture (data.mixture): "
+                + ", ".join(
+                    f"{name} weight {s['weight']:g}, {s['tokens']:,} tokens"
+                    for name, s in r["data_sources"].items()
+                )
+            ]
+            if r.get("data_sources")
+            else []
+        ),
         f"- final validation loss: {_f(r['final_val_loss'], 4)} ({r['final_val_loss_source'] or 'n/a'})",
         f"- passkey accuracy: full cache {_pct(r['passkey_accuracy'])}, "
         f"compressed {_pct(r['passkey_accuracy_compressed'])} "
