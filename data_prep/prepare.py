@@ -461,7 +461,7 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     written = []
     for stream in _streams(cfg, train, tok):
         writer = _writer(root, stream.split, cfg, dtype, stream.name)
-        tokens = _tokenize(tok, raw, stream.docs(), eod, dtype, cfg)
+        tokens = _tokenize(tok, stream.docs(), eod, dtype, cfg)
         _write_split(writer, tokens, stream.n_docs, progress)
         shards = writer.close()
         _check_stream(stream, writer, shards, cfg)
@@ -548,10 +548,18 @@ def _writer(root: Path, split: str, cfg: DataConfig, dtype: str, name: str | Non
 
 
 def _tokenize(
-    tok: Any, raw: bytes, docs: Iterable[str], eod: int, dtype: str, cfg: DataConfig
+    tok: Any, docs: Iterable[str], eod: int, dtype: str, cfg: DataConfig
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(documents, tokens) per batch, in document order, in this process or in worker processes."""
-    return tokenize_stream(tok, docs, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs)
+    return tokenize_stream(
+        tok,
+        docs,
+        eod=eod,
+        dtype=dtype,
+        batch_docs=cfg.tokenize_batch_docs,
+        processes=cfg.prepare_processes,
+        threads=cfg.num_workers,
+    )
 
 
 def _write_split(

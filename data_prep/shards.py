@@ -10,17 +10,24 @@ disk in tar headers and padding. Tar entries get mtime 0 and fixed owner names, 
 byte-identical shards.
 
 Tokenization runs in a producer thread with a small queue: tokenizers' encode_batch releases the GIL and
-spreads a batch over all cores, while the main thread packs and writes the previous batch.
+spreads a batch over all cores, while the main thread packs and writes the previous batch. With
+processes > 1 (data.prepare_processes) the batches go to that many worker processes instead, a bounded
+window of them in flight, and come back in submission order: the Python half of tokenization (token lists
+to arrays) then runs on every core too, and the token stream, so every byte written, stays the same.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
+import multiprocessing
+import os
 import queue
 import tarfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,16 +80,66 @@ def tokenize_stream(
     batch_docs: int = 2048,
     batch_chars: int = 4 << 20,
     prefetch: int = 2,
+    processes: int = 1,
+    threads: int = 0,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them.
+    """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them
+    (processes > 1: hands them to worker processes with `threads` tokenizer threads each, 0: an equal
+    share of the cores).
 
     Reading (Python: JSON parsing, decoding) overlaps the previous batch's encode_batch, which releases
     the GIL; the consumer packs and writes meanwhile. Batches of a few million characters keep every
     core busy and bound the memory of one batch (measured: one encode_batch over a whole corpus used 8.8 GB).
     """
     batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
-    encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
+    if processes > 1:
+        threads = threads or max(1, (os.cpu_count() or 1) // processes)
+        encoded = _in_processes(tok.to_str(), batches, eod, dtype, processes, threads, prefetch)
+    else:
+        encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
     return in_thread(encoded, prefetch, "tokenize")
+
+
+_WORKER_TOK: Tokenizer | None = None
+
+
+def _worker_init(tok_json: str, threads: int) -> None:
+    # Before the first encode: tokenizers' Rust pool reads RAYON_NUM_THREADS once, when it starts.
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    global _WORKER_TOK
+    _WORKER_TOK = Tokenizer.from_str(tok_json)
+
+
+def _worker_encode(docs: list[str], eod: int, dtype: str) -> tuple[int, np.ndarray]:
+    assert _WORKER_TOK is not None
+    return len(docs), encode_documents(_WORKER_TOK, docs, eod, dtype)
+
+
+def _in_processes(
+    tok_json: str,
+    batches: Iterable[list[str]],
+    eod: int,
+    dtype: str,
+    processes: int,
+    threads: int,
+    prefetch: int,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Encode batches in worker processes, results in submission order; at most processes + prefetch
+    batches in flight (Pool.imap would read the whole corpus ahead into memory)."""
+    # spawn, not fork: a forked child of a process whose tokenizer pool already ran gets a dead pool
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, ctx, initializer=_worker_init, initargs=(tok_json, threads)) as pool:
+        window: collections.deque[Future[tuple[int, np.ndarray]]] = collections.deque()
+        try:
+            for batch in batches:
+                window.append(pool.submit(_worker_encode, batch, eod, dtype))
+                if len(window) >= processes + prefetch:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        finally:
+            for f in window:
+                f.cancel()
 
 
 def in_thread(items: Iterable[Any], prefetch: int = 2, name: str = "producer") -> Iterator[Any]:
@@ -111,6 +168,10 @@ def in_thread(items: Iterable[Any], prefetch: int = 2, name: str = "producer") -
             put(done)
         except BaseException as e:  # handed to the consumer, which re-raises it with its own traceback
             put(_Raised(e))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:  # a generator's own cleanup (a worker pool) runs now, not at GC
+                close()
 
     def consume() -> Iterator[Any]:
         worker = threading.Thread(target=produce, name=name, daemon=True)

@@ -466,3 +466,17 @@ def test_default_config_prepares_well_under_a_minute(tmp_path: Path) -> None:
     assert summary["splits"]["validation"]["documents"] == 55  # the held-out books' chapters
     assert summary["splits"]["wiki"]["documents"] == 10033  # Wikipedia summaries, out of domain
     assert load_index(tmp_path / "d").vocab_size == 4096
+
+
+def test_worker_processes_write_the_same_bytes(tmp_path: Path, prepared) -> None:
+    """data.prepare_processes: batches tokenized in 2 or 3 worker processes give byte-identical output to
+    one process (small batches, so that many are in flight and must come back in order)."""
+    cfg, data_dir, _ = prepared
+    ref = None
+    for processes in (1, 2, 3):
+        c = dataclasses.replace(cfg, prepare_processes=processes, tokenize_batch_docs=5)
+        prepare_data(c, tmp_path / f"p{processes}", progress=False)
+        digest = tree_digest(tmp_path / f"p{processes}")
+        ref = ref or digest
+        assert digest == ref, f"prepare_processes={processes}"
+    assert ref == tree_digest(data_dir)  # and the same as the default batch size
