@@ -6,11 +6,18 @@
    sources itself while the raw side gets the documents in memory. Wall-clock ratios swing with other
    load on a shared machine, so the ratio of tokens per CPU-second (all threads) is printed as well.
    The tokenizer training time and a full end-to-end prepare are reported too.
-2. loader throughput: ShardLoader over the train split (tokens/s of input positions, micro_batch x
+2. prepare across processes (data.prepare_processes = 1, 2, ...): tokens/s of prepare_data with the
+   trained tokenizer, beside raw `encode_batch` on the same documents and cores, measured alternately in
+   the same run; the ratio per process count (target >= 0.9x).
+3. memory: peak RSS of a whole prepare (tokenizer training included) in a fresh process, on the default
+   train corpus and on a jsonl corpus --rss-scale times bigger (copies of it, each document tagged with
+   its copy number); streaming keeps the peak flat instead of growing with the corpus.
+4. loader throughput: ShardLoader over the train split (tokens/s of input positions, micro_batch x
    seq_len per batch) against what one training step of the tiny model consumes, measured here (forward,
    backward, AdamW step at the config's micro batch) unless --assume-train-tps is given. Target: >= 10x.
 
-Usage: OMP_NUM_THREADS=1 python bench/data.py [--repeats 5] [--json out.json]
+Usage: OMP_NUM_THREADS=1 python bench/data.py [--repeats 5] [--json out.json] [--only processes,rss]
+Sections 2 and 3 are written to docs/results/data_prepare/result.{json,md} (or --out).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +81,139 @@ def bench_prepare(cfg: Any, work: Path, repeats: int) -> dict[str, Any]:
         "raw_runs": raw_tps,
         "prepare_runs": prep_tps,
     }
+
+
+def bench_processes(cfg: Any, work: Path, processes: list[int], repeats: int) -> dict[str, Any]:
+    """prepare_data at each process count (the tokenizer given, so both sides only tokenize) against raw
+    encode_batch on the same documents and batches, alternating, medians of `repeats`."""
+    import dataclasses
+
+    from tokenizers import Tokenizer
+
+    tok_path = work / "full" / "tokenizer.json"
+    if not tok_path.is_file():
+        prepare_data(cfg, work / "full", progress=False)
+    tok = Tokenizer.from_file(str(tok_path))
+    docs = [
+        d for src in (cfg.train, cfg.validation) for d in iter_documents(src, max_doc_chars=cfg.max_doc_chars)
+    ]
+    bs = cfg.tokenize_batch_docs
+    rows = []
+    for p in processes:
+        c = dataclasses.replace(cfg, prepare_processes=p, extra_validation={})
+        c.tokenizer = dataclasses.replace(cfg.tokenizer, path=str(tok_path))
+        raw_tps, prep_tps = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            n = sum(
+                len(e.ids)
+                for i in range(0, len(docs), bs)
+                for e in tok.encode_batch(docs[i : i + bs], add_special_tokens=False)
+            )
+            raw_tps.append(n / (time.perf_counter() - t))
+            t = time.perf_counter()
+            s = prepare_data(c, work / f"proc{p}", progress=False)
+            prep_tps.append(s["tokens"] / (time.perf_counter() - t))
+        raw, prep = statistics.median(raw_tps), statistics.median(prep_tps)
+        rows.append(
+            {
+                "processes": p,
+                "prepare_tokens_per_s": prep,
+                "raw_encode_batch_tokens_per_s": raw,
+                "ratio": prep / raw,
+                "paired_median_ratio": statistics.median(a / b for a, b in zip(prep_tps, raw_tps)),
+                "prepare_runs": prep_tps,
+                "raw_runs": raw_tps,
+            }
+        )
+        print(
+            f"prepare_processes={p}: prepare {prep / 1e6:.3f} M tok/s | "
+            f"raw encode_batch {raw / 1e6:.3f} M tok/s | ratio {prep / raw:.2f} "
+            f"(paired {rows[-1]['paired_median_ratio']:.2f}; target >= 0.9)"
+        )
+    return {"documents": len(docs), "tokens": s["tokens"], "rows": rows}
+
+
+_RSS_CHILD = """
+import json, resource, sys, time
+from pathlib import Path
+from data_prep.config import SourceConfig
+from pipeline.config import load_config
+cfg = load_config([sys.argv[1]]).data
+cfg.train = SourceConfig(type="jsonl", paths=[sys.argv[2]])
+cfg.extra_validation = {}
+from data_prep.prepare import prepare_data
+t = time.perf_counter()
+s = prepare_data(cfg, Path(sys.argv[3]), progress=False)
+print(json.dumps({"tokens": s["tokens"], "seconds": time.perf_counter() - t,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def bench_rss(config: str, cfg: Any, work: Path, scale: int) -> dict[str, Any]:
+    """Peak RSS of a whole prepare in a fresh process, on the train corpus as jsonl at 1x and `scale`x."""
+    docs = list(iter_documents(cfg.train, max_doc_chars=cfg.max_doc_chars))
+    out = {}
+    for k in (1, scale):
+        corpus = work / f"corpus-{k}x.jsonl"
+        with open(corpus, "w") as f:
+            for copy in range(k):  # each copy tagged, so the copies are not identical documents
+                for d in docs:
+                    f.write(json.dumps({"text": f"[{copy}] {d}"}) + "\n")
+        proc = subprocess.run(
+            [sys.executable, "-c", _RSS_CHILD, config, str(corpus), str(work / f"rss-{k}x")],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"rss child failed: {proc.stderr.strip().splitlines()[-1:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r["corpus_mb"] = corpus.stat().st_size / 2**20
+        out[f"{k}x"] = r
+        print(
+            f"peak RSS, {k}x corpus ({r['corpus_mb']:.0f} MB jsonl, {r['tokens']:,} tokens, "
+            f"{r['seconds']:.0f} s): {r['peak_rss_mb']:.0f} MB"
+        )
+        corpus.unlink()
+    return out
+
+
+def result_markdown(out: dict[str, Any], prov: dict[str, Any]) -> str:
+    from bench.results import provenance_md
+
+    lines = ["# Data prepare: throughput across processes, memory at 10x", "", provenance_md(prov), ""]
+    if "processes" in out:
+        p = out["processes"]
+        lines += [
+            f"prepare_data with the trained tokenizer on the default corpus ({p['documents']:,} documents, "
+            f"{p['tokens']:,} tokens) against raw `encode_batch` on the same documents and cores, "
+            "alternating runs, medians:",
+            "",
+            "| data.prepare_processes | prepare M tok/s | raw encode_batch M tok/s | ratio | paired ratio |",
+            "|---|---|---|---|---|",
+        ]
+        for r in p["rows"]:
+            lines.append(
+                f"| {r['processes']} | {r['prepare_tokens_per_s'] / 1e6:.3f} | "
+                f"{r['raw_encode_batch_tokens_per_s'] / 1e6:.3f} | {r['ratio']:.2f} | "
+                f"{r['paired_median_ratio']:.2f} |"
+            )
+        lines.append("")
+    if "rss" in out:
+        lines += [
+            "Peak RSS of a whole prepare (tokenizer training included) in a fresh process:",
+            "",
+            "| corpus | jsonl MB | tokens | seconds | peak RSS MB |",
+            "|---|---|---|---|---|",
+        ]
+        for k, r in out["rss"].items():
+            lines.append(
+                f"| {k} | {r['corpus_mb']:.0f} | {r['tokens']:,} | {r['seconds']:.0f} | "
+                f"{r['peak_rss_mb']:.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def _cpu() -> float:
@@ -131,24 +272,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-steps", type=int, default=5)
     ap.add_argument("--assume-train-tps", type=float, default=None, help="skip the model step measurement")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("--processes", type=int, nargs="*", default=[1, 2], help="prepare_processes to measure")
+    ap.add_argument("--rss-scale", type=int, default=10, help="corpus multiple for the peak-RSS measurement")
+    ap.add_argument("--only", default=None, help="comma-separated sections: prepare,processes,rss,loader")
+    ap.add_argument("--out", type=Path, default=None, help="result dir (default docs/results/data_prepare)")
     args = ap.parse_args(argv)
 
     cfg = load_config([args.config])
     out: dict[str, Any] = {}
+    only = set(args.only.split(",")) if args.only else {"prepare", "processes", "rss", "loader"}
+    # here, not at the top: it imports torch, and every tokenizer worker process imports this module
+    from bench.results import provenance, write_result
+
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
-        out["prepare"] = bench_prepare(cfg.data, work, args.repeats)
-        p = out["prepare"]
-        print(
-            f"prepare: {p['tokens']:,} tokens; end to end {p['end_to_end_seconds']:.2f} s "
-            f"(tokenizer training {p['tokenizer_train_seconds']:.2f} s)"
-        )
-        print(
-            f"prepare {p['prepare_tokens_per_s'] / 1e6:.3f} M tok/s vs raw encode_batch "
-            f"{p['raw_encode_batch_tokens_per_s'] / 1e6:.3f} M tok/s (medians of {args.repeats}): "
-            f"ratio {p['prepare_over_raw']:.2f} (target >= 0.8); paired median "
-            f"{p['prepare_over_raw_paired_median']:.2f}; per CPU-second {p['prepare_over_raw_cpu']:.2f}"
-        )
+        if only & {"processes", "rss"}:
+            prov = provenance()
+            if "processes" in only:
+                out["processes"] = bench_processes(cfg.data, work, args.processes, args.repeats)
+            if "rss" in only:
+                out["rss"] = bench_rss(args.config, cfg.data, work, args.rss_scale)
+            part = {k: out[k] for k in ("processes", "rss") if k in out}
+            res = write_result(
+                "data_prepare", {**part, "provenance": prov}, result_markdown(part, prov), args.out
+            )
+            print(f"wrote {res}/result.json and result.md")
+        if "prepare" in only:
+            out["prepare"] = bench_prepare(cfg.data, work, args.repeats)
+            p = out["prepare"]
+            print(
+                f"prepare: {p['tokens']:,} tokens; end to end {p['end_to_end_seconds']:.2f} s "
+                f"(tokenizer training {p['tokenizer_train_seconds']:.2f} s)"
+            )
+            print(
+                f"prepare {p['prepare_tokens_per_s'] / 1e6:.3f} M tok/s vs raw encode_batch "
+                f"{p['raw_encode_batch_tokens_per_s'] / 1e6:.3f} M tok/s (medians of {args.repeats}): "
+                f"ratio {p['prepare_over_raw']:.2f} (target >= 0.8); paired median "
+                f"{p['prepare_over_raw_paired_median']:.2f}; per CPU-second {p['prepare_over_raw_cpu']:.2f}"
+            )
+        if "loader" not in only:
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1))
+            return 0
+        if not (work / "full" / "index.json").is_file():
+            prepare_data(cfg.data, work / "full", progress=False)
         out["loader"] = bench_loader(work / "full", cfg.train.micro_batch, args.repeats, args.loader_batches)
         vocab = json.loads((work / "full" / "index.json").read_text())["vocab_size"]
     if args.assume_train_tps:

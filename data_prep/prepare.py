@@ -39,7 +39,7 @@ from data_prep import passkey
 from data_prep.config import DataConfig, SourceConfig, data_config_dict
 from data_prep.errors import DataError
 from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, sha256_file, write_index
-from data_prep.shards import SplitWriter, pick_dtype, tokenize_stream
+from data_prep.shards import SplitWriter, TokenizerPool, pick_dtype, tokenize_stream
 from data_prep.sources import describe_source, iter_documents, source_label
 from data_prep.tokenizer import eod_id, read_tokenizer_file, tokenizer_json, train_tokenizer
 
@@ -459,13 +459,14 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     (root / TOKENIZER_FILE).write_bytes(raw)
 
     written = []
-    for stream in _streams(cfg, train, tok):
-        writer = _writer(root, stream.split, cfg, dtype, stream.name)
-        tokens = _tokenize(tok, stream.docs(), eod, dtype, cfg)
-        _write_split(writer, tokens, stream.n_docs, progress)
-        shards = writer.close()
-        _check_stream(stream, writer, shards, cfg)
-        written.append((stream, shards, {**writer.stats.as_dict(), "passkey_documents": stream.passkey}))
+    with _tokenizer_pool(cfg, tok) as pool:
+        for stream in _streams(cfg, train, tok):
+            writer = _writer(root, stream.split, cfg, dtype, stream.name)
+            tokens = _tokenize(tok, stream.docs(), eod, dtype, cfg, pool)
+            _write_split(writer, tokens, stream.n_docs, progress)
+            shards = writer.close()
+            _check_stream(stream, writer, shards, cfg)
+            written.append((stream, shards, {**writer.stats.as_dict(), "passkey_documents": stream.passkey}))
     return _finish(cfg, root, raw, vocab_size, dtype, eod, written, trained, tok_seconds, t0)
 
 
@@ -547,19 +548,18 @@ def _writer(root: Path, split: str, cfg: DataConfig, dtype: str, name: str | Non
     )
 
 
+def _tokenizer_pool(cfg: DataConfig, tok: Any) -> contextlib.AbstractContextManager[TokenizerPool | None]:
+    """data.prepare_processes > 1: worker processes for the whole prepare; else nothing (in process)."""
+    if cfg.prepare_processes > 1:
+        return TokenizerPool(tok, cfg.prepare_processes, cfg.num_workers)
+    return contextlib.nullcontext()
+
+
 def _tokenize(
-    tok: Any, docs: Iterable[str], eod: int, dtype: str, cfg: DataConfig
+    tok: Any, docs: Iterable[str], eod: int, dtype: str, cfg: DataConfig, pool: TokenizerPool | None
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, tokens) per batch, in document order, in this process or in worker processes."""
-    return tokenize_stream(
-        tok,
-        docs,
-        eod=eod,
-        dtype=dtype,
-        batch_docs=cfg.tokenize_batch_docs,
-        processes=cfg.prepare_processes,
-        threads=cfg.num_workers,
-    )
+    """(documents, tokens) per batch, in document order, in this process or in the pool's workers."""
+    return tokenize_stream(tok, docs, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs, pool=pool)
 
 
 def _write_split(

@@ -80,21 +80,18 @@ def tokenize_stream(
     batch_docs: int = 2048,
     batch_chars: int = 4 << 20,
     prefetch: int = 2,
-    processes: int = 1,
-    threads: int = 0,
+    pool: TokenizerPool | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them
-    (processes > 1: hands them to worker processes with `threads` tokenizer threads each, 0: an equal
-    share of the cores).
+    (with a pool: hands them to its worker processes).
 
     Reading (Python: JSON parsing, decoding) overlaps the previous batch's encode_batch, which releases
     the GIL; the consumer packs and writes meanwhile. Batches of a few million characters keep every
     core busy and bound the memory of one batch (measured: one encode_batch over a whole corpus used 8.8 GB).
     """
     batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
-    if processes > 1:
-        threads = threads or max(1, (os.cpu_count() or 1) // processes)
-        encoded = _in_processes(tok.to_str(), batches, eod, dtype, processes, threads, prefetch)
+    if pool is not None:
+        encoded = pool.encode(batches, eod, dtype, prefetch)
     else:
         encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
     return in_thread(encoded, prefetch, "tokenize")
@@ -115,31 +112,47 @@ def _worker_encode(docs: list[str], eod: int, dtype: str) -> tuple[int, np.ndarr
     return len(docs), encode_documents(_WORKER_TOK, docs, eod, dtype)
 
 
-def _in_processes(
-    tok_json: str,
-    batches: Iterable[list[str]],
-    eod: int,
-    dtype: str,
-    processes: int,
-    threads: int,
-    prefetch: int,
-) -> Iterator[tuple[int, np.ndarray]]:
-    """Encode batches in worker processes, results in submission order; at most processes + prefetch
-    batches in flight (Pool.imap would read the whole corpus ahead into memory)."""
-    # spawn, not fork: a forked child of a process whose tokenizer pool already ran gets a dead pool
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, ctx, initializer=_worker_init, initargs=(tok_json, threads)) as pool:
+class TokenizerPool:
+    """Worker processes that tokenize batches with one tokenizer (data.prepare_processes): started once
+    and used by every stream of a prepare; `with TokenizerPool(...) as pool` stops them at the end.
+
+    spawn, not fork: a forked child of a process whose tokenizer pool already ran gets a dead pool (and
+    forking a process with running threads can deadlock). A spawned worker imports the parent's main
+    module, so a main module should keep heavy imports (torch) inside its functions."""
+
+    def __init__(self, tok: Tokenizer, processes: int, threads: int = 0) -> None:
+        self.processes = processes
+        threads = threads or max(1, (os.cpu_count() or 1) // processes)
+        ctx = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(
+            processes, ctx, initializer=_worker_init, initargs=(tok.to_str(), threads)
+        )
+
+    def encode(
+        self, batches: Iterable[list[str]], eod: int, dtype: str, prefetch: int = 2
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """(documents, tokens) per batch, in submission order; at most processes + prefetch batches in
+        flight (Pool.imap would read the whole corpus ahead into memory)."""
         window: collections.deque[Future[tuple[int, np.ndarray]]] = collections.deque()
         try:
             for batch in batches:
-                window.append(pool.submit(_worker_encode, batch, eod, dtype))
-                if len(window) >= processes + prefetch:
+                window.append(self._pool.submit(_worker_encode, batch, eod, dtype))
+                if len(window) >= self.processes + prefetch:
                     yield window.popleft().result()
             while window:
                 yield window.popleft().result()
         finally:
             for f in window:
                 f.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TokenizerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def in_thread(items: Iterable[Any], prefetch: int = 2, name: str = "producer") -> Iterator[Any]:
