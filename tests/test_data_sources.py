@@ -151,3 +151,61 @@ def test_source_config_checks() -> None:
         SourceConfig(type="jsonl")
     with pytest.raises(ValueError, match="packaged corpus must be one of"):
         SourceConfig(type="packaged", name="nope")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 1 << 20], ids=lambda c: f"chunk-{c}")
+def test_text_is_streamed_in_chunks_with_the_same_documents(tmp_path: Path, monkeypatch, chunk: int) -> None:
+    """Text files are read TEXT_CHUNK_CHARS bytes at a time: the documents are those of reading the file
+    whole (split at the separator, or cut by split_document), whatever the chunk size, with separators
+    and multi-byte or invalid UTF-8 sequences falling across chunk boundaries."""
+    import gzip
+    import random
+
+    import data_prep.sources as sources
+
+    rng = random.Random(chunk)
+    words = ["alpha", "beta", "é", "漢字", "\n", "\n\n\n", "gamma delta"]
+    text = " ".join(rng.choice(words) for _ in range(400))
+    raw = text.encode("utf-8")
+    raw = raw[:50] + b"\xff\xc3" + raw[50:]  # an invalid byte and a truncated sequence
+    (tmp_path / "a.txt").write_bytes(raw)
+    with gzip.open(tmp_path / "b.txt.gz", "wb") as f:
+        f.write(raw)
+    whole = raw.decode("utf-8", errors="replace")
+    monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", chunk)
+    for name in ("a.txt", "b.txt.gz"):
+        src = SourceConfig(type="text", paths=[str(tmp_path / name)], doc_separator="\n\n\n")
+        expect = [p for d in whole.split("\n\n\n") for p in split_document(d, 40) if p.strip()]
+        assert docs(src, max_doc_chars=40) == expect
+        src = SourceConfig(type="text", paths=[str(tmp_path / name)])
+        assert docs(src, max_doc_chars=40) == [p for p in split_document(whole, 40) if p.strip()]
+
+
+def test_memory_does_not_grow_with_the_file(tmp_path: Path) -> None:
+    """Python's peak allocation reading a text file and a jsonl file through iter_documents stays flat
+    from 2 MB to 8 MB (a whole-file read would hold the file, then its documents)."""
+    import tracemalloc
+
+    def peak(src: SourceConfig) -> int:
+        tracemalloc.start()
+        try:
+            for _ in iter_documents(src, max_doc_chars=10_000):
+                pass
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    line = "the quick brown fox jumps over the lazy dog " * 20 + "\n"
+    peaks = {}
+    for mb in (2, 8):
+        n = mb * (1 << 20) // len(line)
+        (tmp_path / f"{mb}.txt").write_text(line * n)
+        with open(tmp_path / f"{mb}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": line}) + "\n" for _ in range(n))
+        peaks[mb] = (
+            peak(SourceConfig(type="text", paths=[str(tmp_path / f"{mb}.txt")])),
+            peak(SourceConfig(type="jsonl", paths=[str(tmp_path / f"{mb}.jsonl")])),
+        )
+    for kind in (0, 1):  # text: about 5 MB for its 1 MB chunks (bytes, text, buffer, pieces), at any size
+        assert peaks[8][kind] < 8 << 20, peaks  # below the file's size
+        assert peaks[8][kind] < 1.2 * peaks[2][kind] + (256 << 10), peaks
