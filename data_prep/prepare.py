@@ -152,9 +152,19 @@ def _describe_sources(cfg: DataConfig) -> dict[str, Any]:
 
 
 def prepare_data(
-    cfg: DataConfig, out_dir: Path, *, progress: bool = True, shared: bool = False, reuse: bool = False
+    cfg: DataConfig,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    shared: bool = False,
+    reuse: bool = False,
+    merge: bool = False,
 ) -> dict[str, Any]:
     """Write out_dir/{tokenizer.json, index.json, train/*.tar, validation/*.tar}; return a summary.
+
+    merge: instead of reading the sources, pack the token streams that prepare_part wrote for each of
+    data.prepare_parts parts (see prepare_plan) into the same shards a one-process prepare writes; the
+    parts' folder is removed once the data is in place.
 
     An existing out_dir is replaced only when prepare wrote everything in it (its marker file lists it).
     shared: other runs may use out_dir (an explicit data.out_dir): data made from another content config
@@ -180,15 +190,25 @@ def prepare_data(
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            with _rayon_threads(cfg.num_workers):
-                summary = _prepare_into(cfg, tmp, progress=progress)
+            if merge:
+                summary = _merge_into(cfg, tmp, parts_dir(out_dir), key, progress=progress)
+            else:
+                with _rayon_threads(cfg.num_workers):
+                    summary = _prepare_into(cfg, tmp, progress=progress)
             _write_marker(tmp, key)
             _swap_in(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    if merge:
+        shutil.rmtree(parts_dir(out_dir), ignore_errors=True)
     summary["out_dir"] = str(out_dir)
     return summary
+
+
+def reusable_data(cfg: DataConfig, out_dir: Path) -> bool:
+    """True when out_dir is a complete directory that prepare made from this content config."""
+    return _reusable(cfg, Path(out_dir), content_key(cfg)) is not None
 
 
 def _reusable(cfg: DataConfig, out_dir: Path, key: str) -> dict[str, Any] | None:
@@ -363,15 +383,15 @@ class _TrainSource:
         return itertools.islice(iter_documents(self.src, max_doc_chars=cfg.max_doc_chars), self.n_train, None)
 
 
-def _train_sources(cfg: DataConfig) -> list[_TrainSource]:
-    """The train split's sources, counted where the split point or the passkey mix needs it (a full read
-    of the source: only then)."""
+def _train_sources(cfg: DataConfig, count: bool = False) -> list[_TrainSource]:
+    """The train split's sources, counted where the split point or the passkey mix needs it, or `count`
+    (a full read of the source: only then)."""
     out = []
     hold_out = cfg.validation is None and cfg.val_fraction > 0
     for name, src in cfg.train_sources().items():
         label = f"data.mixture.{name} ({source_label(src)})" if cfg.mixture else source_label(src)
         n_train, n_val = None, 0
-        if hold_out or cfg.passkey_mix > 0:
+        if hold_out or cfg.passkey_mix > 0 or count:
             n_source = _count(iter_documents(src, max_doc_chars=cfg.max_doc_chars))
             if n_source == 0:
                 raise DataError(f"{label}: no text (every document is empty)")
@@ -528,6 +548,209 @@ def _finish(
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"),
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prepare in parts (a Slurm job array): plan once, tokenize N slices anywhere, merge into one directory.
+#
+#   prepare_plan(cfg, out)       counts every stream's documents, trains the tokenizer (once), writes
+#                                <out>.parts/{tokenizer.json, plan.json}
+#   prepare_part(cfg, out, i)    tokenizes documents [D*i//N, D*(i+1)//N) of each stream (D documents,
+#                                N = data.prepare_parts) into <out>.parts/part-0000i/ (raw token streams)
+#   prepare_data(cfg, out, merge=True)   concatenates the parts' streams in part order and packs them
+#
+# The token stream of each split is the one a one-process prepare makes (documents in the same order,
+# each encoded alone), so the shards, index and marker are byte-identical to it whatever N is.
+
+PLAN_FILE = "plan.json"
+PART_DONE = "done.json"
+
+
+def parts_dir(out_dir: Path) -> Path:
+    """Where the plan and the parts of a prepare in parts go: beside out_dir, removed by the merge."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f"{out_dir.name}.parts"
+
+
+def _part_dir(parts: Path, i: int) -> Path:
+    return parts / f"part-{i:05d}"
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.rename(path)
+
+
+def prepare_plan(
+    cfg: DataConfig, out_dir: Path, *, progress: bool = True, shared: bool = False
+) -> dict[str, Any]:
+    """Step 1 of a prepare in parts: the tokenizer, trained once, and every stream's document count."""
+    out_dir = Path(out_dir)
+    key = content_key(cfg)
+    _check_replaceable(out_dir, cfg if shared else None, key)  # refused now, not after the array ran
+    parts = parts_dir(out_dir)
+    if parts.exists():  # a plan of another config or an older attempt: its parts must not be merged
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True)
+    t0 = time.perf_counter()
+    train = _train_sources(cfg, count=True)
+    raw, tok, trained = _train_tokenizer(cfg, train, progress)
+    tok_seconds = time.perf_counter() - t0
+    (parts / TOKENIZER_FILE).write_bytes(raw)
+    streams = []
+    for stream in _streams(cfg, train, tok):
+        n = stream.n_docs if stream.n_docs is not None else _count(stream.docs())
+        streams.append({"split": stream.split, "name": stream.name, "documents": n})
+    plan = {
+        "content_key": key,
+        "parts": cfg.prepare_parts,
+        "tokenizer_sha256": hashlib.sha256(raw).hexdigest(),
+        "tokenizer_trained": trained,
+        "tokenizer_seconds": tok_seconds,
+        "train": [{"name": t.name, "n_train": t.n_train, "n_val": t.n_val} for t in train],
+        "streams": streams,
+    }
+    _write_json_atomic(parts / PLAN_FILE, plan)
+    return plan
+
+
+def _read_plan(cfg: DataConfig, parts: Path, key: str) -> dict[str, Any]:
+    try:
+        plan = json.loads((parts / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        raise DataError(f"no prepare plan at {parts / PLAN_FILE}: run the plan step first") from None
+    if plan.get("content_key") != key or plan.get("parts") != cfg.prepare_parts:
+        raise DataError(
+            f"{parts / PLAN_FILE} was made for another content config or another data.prepare_parts "
+            f"({plan.get('parts')} parts): run the plan step again"
+        )
+    return plan
+
+
+def _planned_streams(cfg: DataConfig, plan: dict[str, Any], tok: Any) -> list[_Stream]:
+    by_name = {t["name"]: t for t in plan["train"]}
+    train = [
+        _TrainSource(name, src, "", by_name[name]["n_train"], by_name[name]["n_val"])
+        for name, src in cfg.train_sources().items()
+    ]
+    streams = _streams(cfg, train, tok)
+    assert [(s.split, s.name) for s in streams] == [(p["split"], p["name"]) for p in plan["streams"]]
+    return streams
+
+
+def prepare_part(cfg: DataConfig, out_dir: Path, part: int) -> dict[str, Any]:
+    """Step 2: tokenize this part's slice of every stream into <out>.parts/part-NNNNN/ (uint32 token
+    files, written as they come: memory stays flat); done.json is written last."""
+    n_parts = cfg.prepare_parts
+    if not 0 <= part < n_parts:
+        raise DataError(f"prepare part {part} is outside 0..{n_parts - 1} (data.prepare_parts={n_parts})")
+    parts = parts_dir(out_dir)
+    plan = _read_plan(cfg, parts, content_key(cfg))
+    raw, tok = read_tokenizer_file(parts / TOKENIZER_FILE)
+    if hashlib.sha256(raw).hexdigest() != plan["tokenizer_sha256"]:
+        raise DataError(
+            f"{parts / TOKENIZER_FILE} does not match {parts / PLAN_FILE}: run the plan step again"
+        )
+    eod = eod_id(tok, cfg.tokenizer.eod_token)
+    final = _part_dir(parts, part)
+    tmp = parts / f".part-{part:05d}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    out: list[dict[str, int]] = []
+    try:
+        with _rayon_threads(cfg.num_workers), _tokenizer_pool(cfg, tok) as pool:
+            for k, (stream, planned) in enumerate(zip(_planned_streams(cfg, plan, tok), plan["streams"])):
+                lo, hi = planned["documents"] * part // n_parts, planned["documents"] * (part + 1) // n_parts
+                docs = itertools.islice(stream.docs(), lo, hi)
+                n_docs = n_tokens = 0
+                with open(tmp / f"stream-{k:03d}.u32", "wb") as f:
+                    for n, arr in _tokenize(tok, docs, eod, "uint32", cfg, pool):
+                        f.write(arr.tobytes())
+                        n_docs += n
+                        n_tokens += len(arr)
+                if n_docs != hi - lo:
+                    raise DataError(f"{stream.label}: {n_docs} documents where the plan counted {hi - lo}")
+                out.append({"documents": n_docs, "tokens": n_tokens})
+        done = {
+            "part": part,
+            "parts": n_parts,
+            "content_key": plan["content_key"],
+            "tokenizer_sha256": plan["tokenizer_sha256"],
+            "streams": out,
+            "seconds": time.perf_counter() - t0,
+        }
+        _write_json_atomic(tmp / PART_DONE, done)
+        if final.exists():  # an earlier attempt of this part (requeued, rerun): replaced whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return done
+
+
+def _merge_into(cfg: DataConfig, root: Path, parts: Path, key: str, *, progress: bool) -> dict[str, Any]:
+    """Step 3 (in prepare_data's temporary directory): check every part, then pack their streams."""
+    t0 = time.perf_counter()
+    plan = _read_plan(cfg, parts, key)
+    n_parts = plan["parts"]
+    done = []
+    for i in range(n_parts):
+        d = _part_dir(parts, i)
+        try:
+            rec = json.loads((d / PART_DONE).read_text())
+        except (OSError, ValueError):
+            raise DataError(
+                f"prepare part {i} of {n_parts} is missing or did not finish (no {d / PART_DONE}): "
+                f"rerun array task {i}, then the merge"
+            ) from None
+        if rec.get("tokenizer_sha256") != plan["tokenizer_sha256"]:
+            raise DataError(
+                f"prepare part {i} of {n_parts} ({d}) was tokenized with another tokenizer (sha256 "
+                f"{str(rec.get('tokenizer_sha256'))[:12]}..., the plan's is "
+                f"{plan['tokenizer_sha256'][:12]}...): rerun array task {i}, then the merge"
+            )
+        if rec.get("content_key") != key or rec.get("parts") != n_parts or rec.get("part") != i:
+            raise DataError(
+                f"prepare part {i} of {n_parts} ({d}) belongs to another plan: rerun array task {i}"
+            )
+        done.append(rec)
+    raw, tok = read_tokenizer_file(parts / TOKENIZER_FILE)
+    eod = eod_id(tok, cfg.tokenizer.eod_token)
+    vocab_size = tok.get_vocab_size()
+    dtype = pick_dtype(vocab_size)
+    (root / TOKENIZER_FILE).write_bytes(raw)
+    written = []
+    for k, stream in enumerate(_planned_streams(cfg, plan, tok)):
+        writer = _writer(root, stream.split, cfg, dtype, stream.name)
+        _write_split(writer, _part_tokens(parts, k, done, dtype), stream.n_docs, progress)
+        shards = writer.close()
+        _check_stream(stream, writer, shards, cfg)
+        written.append((stream, shards, {**writer.stats.as_dict(), "passkey_documents": stream.passkey}))
+    summary = _finish(cfg, root, raw, vocab_size, dtype, eod, written, plan["tokenizer_trained"], 0.0, t0)
+    summary.update(tokenizer_seconds=plan["tokenizer_seconds"], parts=n_parts)
+    return summary
+
+
+def _part_tokens(
+    parts: Path, k: int, done: list[dict[str, Any]], dtype: str, chunk: int = 1 << 24
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Stream k of every part in part order, in chunks of at most `chunk` tokens (memory stays flat); a
+    part's documents are counted with its first chunk."""
+    for i, rec in enumerate(done):
+        path = _part_dir(parts, i) / f"stream-{k:03d}.u32"
+        n = rec["streams"][k]["tokens"]
+        if not path.is_file() or path.stat().st_size != 4 * n:
+            raise DataError(f"prepare part {i} ({path}) is truncated: rerun array task {i}, then the merge")
+        docs = rec["streams"][k]["documents"]
+        if n == 0:
+            yield docs, np.zeros(0, dtype=dtype)
+            continue
+        tokens = np.memmap(path, dtype=np.uint32, mode="r", shape=(n,))
+        for a in range(0, n, chunk):
+            yield (docs if a == 0 else 0), np.asarray(tokens[a : a + chunk]).astype(dtype)
+        del tokens
 
 
 def source_summary(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -1,6 +1,7 @@
 """`fpa`: the one command-line entry point. Subcommands map to typed functions.
 
     fpa prepare CONFIG... [key=value ...]     corpus -> tokenizer -> webdataset shards + index
+                                              (--step plan|part|merge: one step of a prepare in parts)
     fpa train CONFIG... [key=value ...]       DeepSpeed training (run it under torchrun/srun for N ranks)
     fpa eval CONFIG... [key=value ...]        passkey, perplexity by position, cache compression, report
     fpa run CONFIG... [key=value ...]         all stages in order, skipping those already done
@@ -61,7 +62,10 @@ def cmd_print_config(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    result = run_prepare(_config(args), force=args.force)
+    part = args.part
+    if part is None and args.step == "part" and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        part = int(os.environ["SLURM_ARRAY_TASK_ID"])
+    result = run_prepare(_config(args), force=args.force, step=args.step, part=part)
     log.info("prepare: %s", {k: v for k, v in result.items() if not isinstance(v, dict | list)})
     return 0
 
@@ -179,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = with_items("prepare", "tokenize a corpus into webdataset shards with an index")
     sp.add_argument("--force", action="store_true", help="redo even if the manifest says done")
+    sp.add_argument(
+        "--step",
+        choices=("plan", "part", "merge"),
+        help="one step of a prepare in data.prepare_parts parts (what `fpa launch slurm` runs as a job "
+        "array): plan (tokenizer, document counts), part (one slice), merge (the data and index)",
+    )
+    sp.add_argument("--part", type=int, help="with --step part: which (default $SLURM_ARRAY_TASK_ID)")
     sp.set_defaults(fn=cmd_prepare)
 
     sp = with_items("train", "train under DeepSpeed ZeRO (one process per rank: use torchrun/srun for N)")

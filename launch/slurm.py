@@ -3,10 +3,15 @@
     fpa launch slurm CONFIG... [key=value ...] [--dry-run]
 
 writes <run_dir>/slurm/{prepare,train,eval}.sbatch and submits them as three jobs: train starts after
-prepare succeeded, eval after train succeeded. The train job runs srun + torchrun (c10d rendezvous, no
-ssh), is requeueable, gets USR1 `slurm.signal_seconds` before its time limit (the trainer then saves a
-checkpoint and requeues itself), and always passes train.checkpoint.resume=auto so a requeued job
-continues where it stopped. Logs: <run_dir>/slurm/<stage>-<job id>.{out,err}, appended across requeues.
+prepare succeeded, eval after train succeeded. With data.prepare_parts = N > 1, prepare is three jobs
+instead: prepare-plan (tokenizer, document counts), prepare-part (a job array of N one-node tasks, each
+tokenizing its slice of every source, after the plan) and prepare-merge (after every part ended,
+whatever their exit: it names a part that failed or is missing), which writes the data and index.json;
+train starts after the merge succeeded. The data is byte-identical to a one-job prepare. The train job
+runs srun + torchrun (c10d rendezvous, no ssh), is requeueable, gets USR1 `slurm.signal_seconds`
+before its time limit (the trainer then saves a checkpoint and requeues itself), and always passes
+train.checkpoint.resume=auto so a requeued job continues where it stopped. Logs:
+<run_dir>/slurm/<stage>-<job id>.{out,err}, appended across requeues.
 
 Every value that reaches the shell (paths, names, overrides) is quoted with shlex.quote; the scripts are
 templates under launch/templates/ filled by plain substitution.
@@ -94,12 +99,14 @@ def sbatch_lines(
     *,
     log_stem: str | None = None,
     array: str | None = None,
+    job: str | None = None,
 ) -> list[str]:
-    """The #SBATCH header of a stage's job. prepare and eval are one process on one node (one GPU if
-    the run uses GPUs); train gets the full allocation, --requeue and the USR1 warning signal."""
+    """The #SBATCH header of a stage's job (job: its name in place of the stage's, e.g. prepare-part).
+    prepare and eval are one process on one node (one GPU if the run uses GPUs; prepare steps and parts
+    too); train gets the full allocation, --requeue and the USR1 warning signal."""
     s = cfg.slurm
     train = stage == "train"
-    opts: list[tuple[str, object]] = [("job-name", _job_name(cfg, stage))]
+    opts: list[tuple[str, object]] = [("job-name", _job_name(cfg, job or stage))]
     if train:
         opts += [("nodes", s.nodes), ("ntasks-per-node", s.tasks_per_node)]
     else:
@@ -147,9 +154,20 @@ def preamble(cfg: RunConfig, config_paths: Sequence[str | Path], omp_threads: in
     ).rstrip("\n")
 
 
-def stage_command(cfg: RunConfig, stage: str) -> str:
+def stage_command(cfg: RunConfig, stage: str, prepare_step: str | None = None) -> str:
     """The lines that run a stage (using $PY, CONFIGS and OVERRIDES). Training: one torchrun agent per
-    Slurm task, meeting at a c10d rendezvous on the first node."""
+    Slurm task, meeting at a c10d rendezvous on the first node. prepare_step: one step of a prepare in
+    parts (plan | part | merge), the part's index coming from SLURM_ARRAY_TASK_ID."""
+    if stage == "prepare":
+        n = cfg.data.prepare_parts
+        label = {
+            None: "",
+            "plan": f" plan ({n} parts)",
+            "part": f" part ${{SLURM_ARRAY_TASK_ID}} of {n}",
+            "merge": f" merge ({n} parts)",
+        }[prepare_step]
+        args = f" --step {prepare_step}" if prepare_step else ""
+        return fill(template("prepare.sh"), {"STEP_LABEL": label, "STEP_ARGS": args}).rstrip("\n")
     if stage != "train":
         return template(f"{stage}.sh").rstrip("\n")
     s = cfg.slurm
@@ -179,6 +197,7 @@ def render_job(
     log_stem: str | None = None,
     array: str | None = None,
     origin: str,
+    prepare_step: str | None = None,
 ) -> str:
     """A whole sbatch script: header, preamble, `select` (the lines that set OVERRIDES), the stage."""
     if stage not in STAGES:
@@ -190,11 +209,20 @@ def render_job(
     return fill(
         template("job.sbatch"),
         {
-            "SBATCH": "\n".join(sbatch_lines(cfg, stage, log_dir, log_stem=log_stem, array=array)),
+            "SBATCH": "\n".join(
+                sbatch_lines(
+                    cfg,
+                    stage,
+                    log_dir,
+                    log_stem=log_stem,
+                    array=array,
+                    job=f"prepare-{prepare_step}" if prepare_step else None,
+                )
+            ),
             "ORIGIN": "".join(c if c.isprintable() else "?" for c in f"{origin}, rendered {stamp}"),
             "PREAMBLE": preamble(cfg, config_paths, threads),
             "SELECT": select.rstrip("\n"),
-            "COMMAND": stage_command(cfg, stage),
+            "COMMAND": stage_command(cfg, stage, prepare_step),
         },
     )
 
@@ -206,18 +234,51 @@ def render_sbatch(
     stage: str,
     *,
     log_dir: Path | None = None,
+    prepare_step: str | None = None,
 ) -> str:
     """The sbatch script of one stage (prepare | train | eval) of the run `cfg` (loaded from
-    config_paths + overrides, which the job passes to `python -m launch.cli <stage>` again).
+    config_paths + overrides, which the job passes to `python -m launch.cli <stage>` again), or of one
+    step of a prepare in parts (prepare_step; "part" is a job array of data.prepare_parts tasks).
     Logs go to log_dir (default <run_dir>/slurm), which must exist before submission."""
+    name = f"prepare-{prepare_step}" if prepare_step else stage
     return render_job(
         cfg,
         config_paths,
         stage,
         "OVERRIDES=(" + " ".join(q(o) for o in overrides) + ")",
         log_dir=(log_dir or cfg.run_dir / "slurm").resolve(),
-        origin=f"{stage} job of run {cfg.name!r}",
+        log_stem=f"{name}-%A_%a" if prepare_step == "part" else None if name == stage else f"{name}-%j",
+        array=f"0-{cfg.data.prepare_parts - 1}" if prepare_step == "part" else None,
+        origin=f"{name} job of run {cfg.name!r}",
+        prepare_step=prepare_step,
     )
+
+
+# A prepare in parts: (step, the steps it waits on, dependency kind). The merge waits for every part to
+# end whatever its exit (afterany), so that it runs and names a part that failed, instead of pending
+# forever on a dependency that can never be met.
+PREPARE_PARTS_CHAIN = (("plan", [], "afterok"), ("part", [0], "afterok"), ("merge", [1], "afterany"))
+
+
+def prepare_jobs(
+    cfg: RunConfig, config_paths: Sequence[str | Path], overrides: list[str], log_dir: Path, stem: str
+) -> list[tuple[str, str, list[int], str]]:
+    """The prepare job(s) of a run: (file stem, sbatch script, positions among these jobs it waits on,
+    dependency kind). One job, or plan -> part array -> merge when data.prepare_parts > 1; the last job
+    is the one that leaves the data complete."""
+    if cfg.data.prepare_parts <= 1:
+        return [
+            (stem, render_sbatch(cfg, config_paths, overrides, "prepare", log_dir=log_dir), [], "afterok")
+        ]
+    return [
+        (
+            f"{stem}-{step}",
+            render_sbatch(cfg, config_paths, overrides, "prepare", log_dir=log_dir, prepare_step=step),
+            after,
+            kind,
+        )
+        for step, after, kind in PREPARE_PARTS_CHAIN
+    ]
 
 
 # -- submitting --------------------------------------------------------------------------------------
@@ -278,19 +339,28 @@ def launch_slurm(config_paths: list[str], overrides: list[str], *, dry_run: bool
         )
     out = cfg.run_dir.resolve() / "slurm"
     out.mkdir(parents=True, exist_ok=True)
+    # (name, script, positions it waits on, kind): the prepare job(s), then train, then eval
+    jobs = [
+        (name, text, list(after), kind)
+        for name, text, after, kind in prepare_jobs(cfg, config_paths, overrides, out, "prepare")
+    ]
+    for stage in STAGES[1:]:
+        jobs.append((stage, render_sbatch(cfg, config_paths, overrides, stage), [len(jobs) - 1], "afterok"))
     scripts: list[Path] = []
-    for stage in STAGES:
-        path = out / f"{stage}.sbatch"
-        path.write_text(render_sbatch(cfg, config_paths, overrides, stage))
+    for name, text, _, _ in jobs:
+        path = out / f"{name}.sbatch"
+        path.write_text(text)
         scripts.append(path)
         if dry_run:
             print(f"# ===== {path} =====")
             print(path.read_text())
     if dry_run:
         return []
-    ids = submit_jobs([(script, [i - 1] if i else [], "afterok") for i, script in enumerate(scripts)])
-    entry = {"time": time.time(), "jobs": dict(zip(STAGES, ids))}
+    ids = submit_jobs([(script, after, kind) for script, (_, _, after, kind) in zip(scripts, jobs)])
+    names = [name for name, _, _, _ in jobs]
+    entry = {"time": time.time(), "jobs": dict(zip(names, ids))}
     record_submission(out / "jobs.jsonl", {**entry, "configs": config_paths, "overrides": overrides})
-    for stage, job in zip(STAGES, ids):
-        print(f"submitted {stage}: job {job} (log {out}/{stage}-{job}.out)")
+    for name, job in zip(names, ids):
+        log = f"{name}-{job}_<task>.out" if name.endswith("-part") else f"{name}-{job}.out"
+        print(f"submitted {name}: job {job} (log {out}/{log})")
     return ids

@@ -15,7 +15,8 @@ A sweep file (configs/sweeps/*.yaml):
 
 Each grid point is a run named <sweep>.<key>-<value>.<key>-<value> (keys by their last component),
 with its own run dir and logging.group = <sweep>. On Slurm, one prepare job per distinct data dir runs
-first, then a training job array whose element i trains run i (its overrides are line i of
+first (or, with data.prepare_parts > 1, a plan job, a job array of parts and a merge job), then a
+training job array whose element i trains run i (its overrides are line i of
 <runs_dir>/sweeps/<name>/slurm/runs.tsv), and an eval job array whose element i starts once training
 element i succeeded (aftercorr). `collect_sweep` reads every run's eval/report.json into
 results.md, results.csv and results.png in the same folder.
@@ -45,10 +46,10 @@ from data_prep.config import data_config_dict
 from launch.slurm import (
     LaunchError,
     fill,
+    prepare_jobs,
     q,
     record_submission,
     render_job,
-    render_sbatch,
     submit_jobs,
     template,
     world_size,
@@ -282,11 +283,12 @@ def run_sweep(
     dry_run: bool = False,
     runner: Runner | None = None,
 ) -> list[str]:
-    """Run a sweep. mode "slurm": submit one prepare job per distinct data dir, ONE training job array
-    after them and one eval array (element i after training element i); returns the job ids: prepare
-    jobs, then the training array, then the eval array. mode "local": prepare once per data dir,
-    then train + eval each run in turn through `runner` (default: `python -m launch.cli ...` in a
-    subprocess); returns the names of the runs that finished. dry_run prints and submits/runs nothing."""
+    """Run a sweep. mode "slurm": submit one prepare job per distinct data dir (plan, parts and merge
+    with data.prepare_parts > 1), ONE training job array after them and one eval array (element i
+    after training element i); returns the job ids: prepare jobs, then the training array, then the
+    eval array. mode "local": prepare once per data dir, then train + eval each run in turn through
+    `runner` (default: `python -m launch.cli ...` in a subprocess); returns the names of the runs that
+    finished. dry_run prints and submits/runs nothing."""
     if mode not in ("slurm", "local"):
         raise ConfigError(f"sweep mode must be 'slurm' or 'local'; got {mode!r}")
     sweep = load_sweep(path)
@@ -296,11 +298,20 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     run_list = out / "runs.tsv"
     write_run_list(sweep, run_list)
+    # One prepare per distinct data dir: one job, or plan -> part array -> merge (data.prepare_parts).
     scripts: list[Path] = []
+    prepare_deps: list[tuple[list[int], str]] = []
+    ready: list[int] = []  # the job of each data dir that leaves its data complete
     for i, run in enumerate(_data_groups(sweep)):
-        script = out / f"prepare-{i}.sbatch"
-        script.write_text(render_sbatch(run.config, sweep.configs, run.overrides, "prepare", log_dir=out))
-        scripts.append(script)
+        first = len(scripts)
+        for stem, text, after, kind in prepare_jobs(
+            run.config, sweep.configs, run.overrides, out, f"prepare-{i}"
+        ):
+            script = out / f"{stem}.sbatch"
+            script.write_text(text)
+            scripts.append(script)
+            prepare_deps.append(([first + a for a in after], kind))
+        ready.append(len(scripts) - 1)
     arrays = {stage: out / f"{stage}-array.sbatch" for stage in ("train", "eval")}
     for stage, script in arrays.items():
         script.write_text(render_array(sweep, run_list, stage))
@@ -312,8 +323,8 @@ def run_sweep(
     # Prepare jobs, then the training array after all of them; eval element i starts as soon as
     # training element i succeeded (aftercorr), on a one-process allocation.
     n = len(scripts)
-    jobs = [(script, [], "afterok") for script in scripts]
-    jobs += [(arrays["train"], range(n), "afterok"), (arrays["eval"], [n], "aftercorr")]
+    jobs = [(script, after, kind) for script, (after, kind) in zip(scripts, prepare_deps)]
+    jobs += [(arrays["train"], ready, "afterok"), (arrays["eval"], [n], "aftercorr")]
     ids = submit_jobs(jobs)
     entry = {"time": time.time(), "prepare": ids[:-2], "train_array": ids[-2], "eval_array": ids[-1]}
     record_submission(out / "jobs.jsonl", {**entry, "runs": [r.name for r in sweep.runs]})

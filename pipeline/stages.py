@@ -16,7 +16,7 @@ from typing import Any
 
 from data_prep.config import data_config_dict
 from data_prep.index import sha256_file
-from data_prep.prepare import data_problem, prepare_data
+from data_prep.prepare import data_problem, prepare_data, prepare_part, prepare_plan, reusable_data
 from pipeline.config import ConfigError, RunConfig, derive
 from pipeline.rundir import STAGES, RunDir, hash_outputs, sha256_json
 
@@ -158,7 +158,14 @@ def _skip(run: RunDir, stage: str, inputs: dict[str, Any], force: bool) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
-def run_prepare(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
+def run_prepare(
+    cfg: RunConfig, *, force: bool = False, step: str | None = None, part: int | None = None
+) -> dict[str, Any]:
+    """Prepare the data, or one step of a prepare in parts (data.prepare_parts; a Slurm job array):
+    step "plan" (tokenizer and document counts), "part" (slice `part`), "merge" (the data, as one-job
+    prepare writes it, and this stage's manifest). Every step does nothing once the stage is done."""
+    if step not in (None, "plan", "part", "merge"):
+        raise ConfigError(f"prepare step must be plan, part or merge; got {step!r}")
     run = RunDir(cfg)
     inputs = prepare_inputs(cfg)
     if _skip(run, "prepare", inputs, force):
@@ -166,9 +173,26 @@ def run_prepare(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     # An explicit data.out_dir may be shared by other runs: the same content is reused as it is, another
     # content config is refused rather than replaced under them (prepare_data's `shared`).
     shared = cfg.data.out_dir is not None
+    reuse = shared and not force
+    if step in ("plan", "part"):
+        if reuse and reusable_data(cfg.data, cfg.data_dir):
+            log.info(
+                "prepare %s: %s already holds this content config's data: nothing to do", step, cfg.data_dir
+            )
+            return {"reused": True}
+        if step == "plan":
+            return prepare_plan(cfg.data, cfg.data_dir, progress=cfg.logging.progress, shared=shared)
+        if part is None:
+            raise ConfigError("prepare step part needs the part's index (--part, or SLURM_ARRAY_TASK_ID)")
+        return prepare_part(cfg.data, cfg.data_dir, part)
     with run.stage("prepare", inputs) as m:
         m.result = prepare_data(
-            cfg.data, cfg.data_dir, progress=cfg.logging.progress, shared=shared, reuse=shared and not force
+            cfg.data,
+            cfg.data_dir,
+            progress=cfg.logging.progress,
+            shared=shared,
+            reuse=reuse,
+            merge=step == "merge",
         )
         if m.result.get("reused"):
             log.info("prepare: %s already holds this content config's data: reusing it", cfg.data_dir)

@@ -402,3 +402,34 @@ def test_time_limit_usr1_reaches_workers_requeues_and_reruns(probe_job: dict) ->
     out = logs[0].read_text()  # appended across the requeue, at the literal hostile path
     assert ", restart 0" in out and ", restart 1" in out, out
     assert not list(probe_job["tmp"].glob("PWNED*"))
+
+
+@pytest.mark.slow
+def test_prepare_as_a_job_array_then_merge_gives_the_one_job_data(
+    cluster: Path, fast_yaml: Path, tmp_path: Path
+) -> None:
+    """data.prepare_parts=3: plan, a 3-task job array and the merge on the real cluster write the same bytes
+    as a one-job prepare (the chain's train/eval jobs are checked with stubs in test_data_parts.py)."""
+    from data_prep.prepare import prepare_data
+
+    over = [f"runs_dir={tmp_path / 'runs'}", "name=arr", "data.prepare_parts=3"]
+    cfg = load_config([str(fast_yaml)], over)
+    out = cfg.run_dir.resolve() / "slurm"
+    out.mkdir(parents=True)
+    jobs = []
+    for stem, text, after, kind in sl.prepare_jobs(cfg, [str(fast_yaml)], over, out, "prepare"):
+        (out / f"{stem}.sbatch").write_text(text)
+        jobs.append((out / f"{stem}.sbatch", after, kind))
+    ids = sl.submit_jobs(jobs)
+    records = [wait_done(i, 120, [out]) for i in ids]
+    assert_completed([r for recs in records for r in recs], [out])
+    assert sorted(r["ArrayTaskId"] for r in records[1]) == ["0", "1", "2"]
+    assert "prepare part 2 of 3" in (out / f"prepare-part-{ids[1]}_2.out").read_text()
+    prepare_data(cfg.data, tmp_path / "one", progress=False)
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert files(cfg.data_dir) == files(tmp_path / "one")
+    manifest = json.loads((cfg.run_dir / "manifests" / "prepare.json").read_text())
+    assert manifest["status"] == "done" and manifest["result"]["parts"] == 3
