@@ -3,7 +3,7 @@
 The forward pass is split into public steps so that the KV-cache decoder and the synthetic experiments
 can reuse them piece by piece:
 
-    q, k, v, u = attn.project(x, pos_offset)        # projections, qk-norm, RoPE, field increments
+    q, k, v, u = attn.project(x, pos_offset)        # projections, kv shift, qk-norm, RoPE, field increments
     phi = attn.field_from_increments(u, phi_prev)   # the scalar field phi per head (None for softmax)
     o = fpa_attention(q, k, v, phi, kind=...)       # the attention op (naive / chunked / triton)
     y = attn.output(o, x)                           # optional output gate, merge heads, out projection
@@ -12,6 +12,12 @@ Field parametrizations (docs/design.md, "The first-passage bias"): `walk` u = w_
 phi = cumsum(u); `gate` u = logsigmoid(w_h.x + c_h) and phi = cumsum(u) (kind "fox" always uses this
 one); `direct` u is the field value itself. The field is always computed in fp32: a long cumulative
 sum in bf16 loses the small increments that decide which keys survive.
+
+Key/value shift (`kv_shift`, FoX "Pro"): k'_t = g_k k_t + (1 - g_k) k_{t-1}, v'_t likewise, with per-head
+gates (g_k, g_v) = sigmoid(W x_t + b) and k_{-1} = v_{-1} = 0. It mixes the *raw* projections, before
+qk-norm and RoPE, so RoPE still rotates k'_t by its own position t and a decoder only has to carry the
+previous token's raw k, v (`project_with_carry`; a sequence-parallel rank gets them for its chunks'
+first tokens from the ranks that hold the tokens before them).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpa_model.config import AttentionConfig
-from fpa_model.context_parallel import SequenceParallel, sequence_parallel_attention
+from fpa_model.context_parallel import SequenceParallel, chunk_predecessors, sequence_parallel_attention
 from fpa_model.ops.fpa import fpa_attention
 
 
@@ -106,6 +112,13 @@ class Attention(nn.Module):
         # Per-head field projection: row h is w_h, bias entry h is c_h.
         self.field_proj = nn.Linear(d_model, n_head, bias=True) if self.field_mode is not None else None
         self.gate_proj = nn.Linear(d_model, d_model, bias=False) if cfg.output_gate else None
+        # Key/value shift gates: outputs [0, H) gate the keys, [H, 2H) the values (one gate per head). Made
+        # on the meta device (reset_parameters zero-fills them): no random draws, so with a given seed every
+        # other weight starts as it does without the shift.
+        self.shift_proj = None
+        if cfg.kv_shift:
+            shift = nn.Linear(d_model, 2 * n_head, bias=True, device="meta")
+            self.shift_proj = shift.to_empty(device=self.qkv.weight.device)
         self.q_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
 
@@ -136,6 +149,9 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.weight.fill_(1.0)
+        if self.shift_proj is not None:  # gates of exactly 1/2 at init: an even mix with the previous token
+            self.shift_proj.weight.zero_()
+            self.shift_proj.bias.zero_()
         if self.field_proj is not None:
             # Field weights start at field_weight_std (default 0): every increment then equals c_h, the
             # field falls monotonically and an fpa head starts as exactly a FoX head with constant decay.
@@ -158,15 +174,68 @@ class Attention(nn.Module):
             return rope_cos_sin(torch.arange(start, end, device=device), self.head_dim, self.cfg.rope_theta)
         return self.rope_cos[start:end], self.rope_sin[start:end]
 
-    def project(self, x: Tensor, pos_offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def project(
+        self, x: Tensor, pos_offset: int = 0, kv_prev: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Project x (B,T,d_model) to q, k, v (B,H,T,Dh) and field increments u (B,H,T) (None for softmax).
 
         pos_offset is the absolute position of x[:, 0] (used by RoPE when decoding). u is in fp32; its
         meaning depends on the field mode: a signed step (walk), a log forget gate (gate), or the field
-        value itself (direct).
+        value itself (direct). kv_prev: with kv_shift, the raw (k, v) (B,H,Dh) of the token before x[:, 0]
+        (None: the sequence starts at x[:, 0]); project_with_carry also returns the ones for the next call.
         """
+        return self.project_with_carry(x, pos_offset, kv_prev)[0]
+
+    def project_with_carry(
+        self, x: Tensor, pos_offset: int = 0, kv_prev: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor] | None]:
+        """(project's q, k, v, u), carry: with kv_shift, carry is the raw (k, v) (B,H,Dh) of x[:, -1], the
+        kv_prev of the next chunk (the KV-cache decoder keeps it per layer); None without kv_shift."""
+        q, k, v = self.raw_qkv(x)
+        carry = None
+        if self.shift_proj is not None:
+            # Shift the raw projections, before qk-norm and RoPE (as FoX-Pro does): RoPE then rotates k'_t
+            # by its own position t, and a decoder carries only the last token's raw k, v.
+            carry = (k[:, :, -1], v[:, :, -1])
+            first = None if kv_prev is None else [kv_prev]
+            k, v = self.shift_kv(x, k, v, first)
+        return self._finish_projection(x, q, k, v, pos_offset), carry
+
+    def raw_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The plain projections q, k, v (B,H,T,Dh) of x (B,T,d_model): no shift, qk-norm or RoPE."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, v
+
+    def shift_kv(
+        self, x: Tensor, k: Tensor, v: Tensor, first: list[tuple[Tensor, Tensor] | None] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The key/value shift of raw k, v (B,H,T,Dh): g * k_t + (1 - g) * k_{t-1}, gates from x (B,T,d).
+
+        The time axis holds len(first) equal chunks (default one); first[i] is the raw (k, v) (B,H,Dh) of
+        the token before chunk i, None where chunk i starts the sequence (zeros, k_{-1} = v_{-1} = 0).
+        A sequence-parallel rank's chunks are not adjacent in the sequence, hence one entry per chunk.
+        """
+        assert self.shift_proj is not None
+        h = self.n_head
+        first = first or [None]
+        c = k.shape[2] // len(first)
+        prev_k, prev_v = [], []
+        for i, fp in enumerate(first):
+            kc, vc = k[:, :, i * c : (i + 1) * c], v[:, :, i * c : (i + 1) * c]
+            k0, v0 = (kc.new_zeros(kc[:, :, 0].shape), vc.new_zeros(vc[:, :, 0].shape)) if fp is None else fp
+            prev_k.append(torch.cat([k0[:, :, None].to(kc.dtype), kc[:, :, :-1]], dim=2))
+            prev_v.append(torch.cat([v0[:, :, None].to(vc.dtype), vc[:, :, :-1]], dim=2))
+        k_prev, v_prev = torch.cat(prev_k, dim=2), torch.cat(prev_v, dim=2)
+        g = torch.sigmoid(self.shift_proj(x)).transpose(1, 2)[..., None]  # (B, 2H, T, 1)
+        gk, gv = g[:, :h], g[:, h:]
+        return gk * k + (1 - gk) * k_prev, gv * v + (1 - gv) * v_prev
+
+    def _finish_projection(
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_offset: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """qk-norm, RoPE from pos_offset and the field increments u of x (see project)."""
+        t = x.shape[1]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -223,19 +292,35 @@ class Attention(nn.Module):
 
     def _forward_sequence_parallel(self, x: Tensor, sp: SequenceParallel) -> Tensor:
         # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute
-        # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks.
+        # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks. The
+        # kv shift needs, for each chunk's first token, the raw k, v of the token before it, which another
+        # rank (or this rank's other chunk) holds: one all-gather of every chunk's last raw k, v.
         ids = sp.local_chunks()
         if x.shape[1] % len(ids):
             raise ValueError(
                 f"local sequence length {x.shape[1]} is not divisible by {len(ids)} ({sp.layout} layout)"
             )
         c = x.shape[1] // len(ids)
+        q, k, v = self.raw_qkv(x)
+        if self.shift_proj is not None:
+            tails = torch.stack(
+                [torch.cat([k[:, :, e - 1], v[:, :, e - 1]], -1) for e in range(c, k.shape[2] + 1, c)]
+            )
+            # (n_local, B, H, 2 Dh), zeros before the sequence start. Every chunk uses its entry, chunk 0's
+            # zeros too: each rank's backward must then run the gather's collective (same graph everywhere).
+            prev = chunk_predecessors(tails, sp)
+            d = self.head_dim
+            first: list[tuple[Tensor, Tensor] | None] = [(p[..., :d], p[..., d:]) for p in prev.unbind(0)]
+            k, v = self.shift_kv(x, k, v, first)
         if self.use_rope and len(ids) > 1:
-            parts = [self.project(xc, pos_offset=i * c) for i, xc in zip(ids, x.split(c, dim=1))]
+            parts = [
+                self._finish_projection(xc, qc, kc, vc, i * c)
+                for i, xc, qc, kc, vc in zip(ids, x.split(c, 1), q.split(c, 2), k.split(c, 2), v.split(c, 2))
+            ]
             q, k, v = (torch.cat([p[j] for p in parts], dim=2) for j in range(3))
             u = None if parts[0][3] is None else torch.cat([p[3] for p in parts], dim=-1)
         else:
-            q, k, v, u = self.project(x, pos_offset=ids[0] * c)
+            q, k, v, u = self._finish_projection(x, q, k, v, ids[0] * c)
         o = sequence_parallel_attention(
             q, k, v, u, sp, kind=self.kind, field=self.field_mode or "walk", block_size=self.cfg.block_size,
             impl=self.cfg.impl,
@@ -245,5 +330,6 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"kind={self.kind}, field={self.field_mode}, heads={self.n_head}, head_dim={self.head_dim}, "
-            f"rope={self.use_rope}, qk_norm={self.cfg.qk_norm}, output_gate={self.cfg.output_gate}"
+            f"rope={self.use_rope}, qk_norm={self.cfg.qk_norm}, output_gate={self.cfg.output_gate}, "
+            f"kv_shift={self.cfg.kv_shift}"
         )

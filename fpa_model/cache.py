@@ -37,6 +37,10 @@ chunk, so the estimate comes from at least that many tokens). A fixed `delta` ov
 guarantees nothing.
 
 Softmax never evicts. With eviction off, decoding reproduces the full forward pass to fp32 tolerance.
+
+Key/value shift (model.attention.kv_shift): each layer's cache also carries the raw (pre-shift, pre-RoPE)
+k, v of the newest token (`LayerCache.kv_prev`), which the next token's shift mixes in. It is the previous
+*token*, not a cached key, so eviction never touches it; the cached keys are the shifted ones.
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ class LayerCache:
         self.pos: Tensor | None = None  # (B,H,C) int64 absolute positions
         self.valid: Tensor | None = None  # (B,H,C) bool; False marks padding after compaction
         self.phi_last: Tensor | None = None  # (B,H) field at the newest token (walk/gate accumulate it)
+        # kv_shift: the raw (k, v) (B,H,Dh) of the newest token, before the shift (set by the model decoder).
+        self.kv_prev: tuple[Tensor, Tensor] | None = None
         self.q_max: Tensor | None = None  # (B,H) largest query norm seen
         self.k_max: Tensor | None = None  # (B,H) largest key norm seen
         self.log: list[Eviction] = []
@@ -332,7 +338,7 @@ def _forward_chunk(model: torch.nn.Module, cache: KVCache, idx: Tensor) -> Tenso
     for block, lc in zip(model.blocks, cache.layers):
         attn = block.attn
         h = block.norm1(x)
-        q, k, v, u = attn.project(h, pos_offset=cache.seen)
+        (q, k, v, u), lc.kv_prev = attn.project_with_carry(h, pos_offset=cache.seen, kv_prev=lc.kv_prev)
         phi = attn.field_from_increments(u, lc.phi_last)
         if lc.seen == 0:
             # Nothing cached yet: the model's own op (chunked / Triton, O(T) memory) gives the exact output.

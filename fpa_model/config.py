@@ -23,6 +23,9 @@ class AttentionConfig:
     block_size: int = 128  # tile size of the chunked path (CPU: 128-256 measured 10-15% faster than 64)
     output_gate: bool = False  # FoX "Pro": sigmoid gate on the attention output
     qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
+    # FoX "Pro": data-dependent key/value shift, k'_t = g k_t + (1 - g) k_{t-1} (same for v) with a
+    # per-head gate g = sigmoid(W x_t + b) (zero init: a 50/50 mix); false adds no parameters.
+    kv_shift: bool = False
     rope: bool | None = None  # None: on for softmax only (fpa/fox get position from the field)
     rope_theta: float = 10000.0
     # Init of the per-head field bias c_h: the increments start slightly negative so a fresh model

@@ -755,6 +755,43 @@ class SequenceParallel:
         return chunk_ids(rank, world, self.layout)
 
 
+class _GatherChunks(torch.autograd.Function):
+    """_all_gather_chunks with a gradient: each rank's chunks get the sum of every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, world: int, layout: str, ids: tuple[int, ...]) -> Tensor:
+        ctx.args = (group, world, ids)
+        return _all_gather_chunks(x, group, world, layout)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
+        group, world, ids = ctx.args
+        g = g.contiguous()
+        if world > 1:
+            dist.all_reduce(g, group=group)
+        return g[list(ids)], None, None, None, None
+
+
+def chunk_predecessors(tails: Tensor, sp: SequenceParallel) -> Tensor:
+    """For each of this rank's chunks, the value at the token just before the chunk's first token.
+
+    tails (n_local, ...): the value at the last token of each local chunk (ascending chunk order). Returns
+    (n_local, ...): the tail of chunk i - 1 for local chunk i, zeros for chunk 0 (the sequence start).
+    One all-gather of the tails (the chunk before may sit on another rank, or be this rank's other zigzag
+    chunk); differentiable, the gradient returns to the rank that owns the token. Used by the key/value
+    shift of an attention layer (fpa_model.attention), which mixes each key with the previous token's.
+    """
+    rank, world = _group_info(sp.group)
+    ids = chunk_ids(rank, world, sp.layout)
+    if tails.shape[0] != len(ids):
+        raise ValueError(
+            f"tails has {tails.shape[0]} chunks; this rank holds {len(ids)} ({sp.layout} layout)"
+        )
+    every = _GatherChunks.apply(tails, sp.group, world, sp.layout, ids)  # (n_chunks, ...) in chunk order
+    before = torch.cat([torch.zeros_like(every[:1]), every[:-1]])
+    return before[list(ids)]
+
+
 def sequence_parallel_attention(
     q: Tensor,
     k: Tensor,

@@ -307,3 +307,99 @@ def test_early_evictions_cannot_add_up(max_tokens: int | None, margin: float) ->
     weight = float(torch.exp(bias).sum())  # relative to the last query's own key (logit 0, bias 0)
     assert weight < math.exp(-margin), (weight, math.exp(-margin))
     assert last not in evicted.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Key/value shift: each layer's cache carries the newest token's raw k, v
+
+
+def _shift_model(kind: str, field: str = "walk", **attn: object):
+    model = _model(kind, field, kv_shift=True, **attn)
+    with torch.no_grad():  # gates away from the 50/50 init, different per head, token and k / v
+        for blk in model.blocks:
+            blk.attn.shift_proj.weight.normal_(0, 0.5)
+            blk.attn.shift_proj.bias.uniform_(-2.0, 2.0)
+    return model
+
+
+SHIFT_CASES = [
+    ("fpa", "walk", {"rope": True, "qk_norm": True}),
+    ("fpa", "gate", {"output_gate": True}),
+    ("fox", "walk", {}),
+    ("softmax", "walk", {}),
+]
+
+
+@pytest.mark.parametrize("kind,field,extra", SHIFT_CASES, ids=[f"{k}-{f}" for k, f, _ in SHIFT_CASES])
+def test_kv_shift_decode_matches_full_forward(kind: str, field: str, extra: dict) -> None:
+    model = _shift_model(kind, field, **extra)
+    idx = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(8))
+    ref = model(idx)
+    logits, cache = prefill(model, idx[:, :17], chunk_size=5, all_logits=True)
+    steps = [decode_step(model, cache, idx[:, i]) for i in range(17, 29)]
+    torch.testing.assert_close(
+        torch.cat([logits, torch.stack(steps, 1)], 1), ref[:, :29], atol=1e-5, rtol=1e-5
+    )
+    for blk, lc in zip(model.blocks, cache.layers):
+        assert lc.kv_prev is not None and lc.kv_prev[0].shape == (2, 2, blk.attn.head_dim)
+    torch.testing.assert_close(decode_step(model, cache, idx[:, 29]), ref[:, 29], atol=1e-5, rtol=1e-5)
+    # The carry matters: the same step after forgetting the previous token's k, v gives other logits.
+    _, cache = prefill(model, idx[:, :29], chunk_size=5)
+    for lc in cache.layers:
+        lc.kv_prev = None
+    assert (decode_step(model, cache, idx[:, 29]) - ref[:, 29]).abs().max() > 1e-3
+
+
+def test_kv_shift_generate_greedy_matches_argmax_of_full_forward() -> None:
+    model = _shift_model("fpa", rope=True)
+    with torch.no_grad():  # attention that moves the logits, so greedy tokens depend on the carry
+        for blk in model.blocks:
+            blk.attn.qkv.weight.mul_(10.0)
+            blk.attn.out_proj.weight.mul_(30.0)
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(9))
+    new, _ = generate(model, idx, 8)
+    seq = idx
+    for _ in range(8):
+        seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(new, seq[:, 12:])
+
+
+def _forward_without_evicted(model: torch.nn.Module, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The full forward pass (naive op) in which each query ignores the keys its layer's cache had evicted
+    before it (the recorded evictions), with the projections (and kv shift) of the whole sequence."""
+    t = idx.shape[1]
+    x = model.embed(idx)
+    for block, lc in zip(model.blocks, cache.layers):
+        attn = block.attn
+        h = block.norm1(x)
+        q, k, v, u = attn.project(h)
+        phi = attn.field_from_increments(u)
+        mask = torch.zeros(idx.shape[0], attn.n_head, t, t)
+        for ev in lc.log:  # dropped after `seen` tokens: hidden from every query at position >= seen
+            for b, hd, p in zip(ev.batch.tolist(), ev.head.tolist(), ev.pos.tolist()):
+                mask[b, hd, ev.seen :, p] = float("-inf")
+        logits = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
+        o = torch.softmax(logits + fpa_bias_naive(phi, attn.kind) + mask, -1) @ v
+        x = x + attn.output(o, h)
+        x = x + block.mlp(block.norm2(x))
+    return model.lm_head(model.norm_f(x))
+
+
+@pytest.mark.parametrize("kv_shift", [False, True], ids=["plain", "kv_shift"])
+def test_eviction_decode_equals_forward_without_the_evicted_keys(kv_shift: bool) -> None:
+    """Decoding with eviction = the full forward pass minus exactly the evicted keys. With kv_shift an
+    evicted key's token still feeds the next token's shift: the carry is the previous token, not a key."""
+    model = _shift_model("fpa") if kv_shift else _model("fpa")
+    with torch.no_grad():  # a strongly falling field: old keys go quickly
+        for blk in model.blocks:
+            blk.attn.field_proj.bias.fill_(-3.0)
+    idx = torch.randint(0, 97, (1, 44), generator=torch.Generator().manual_seed(10))
+    policy = EvictionPolicy(enabled=True, record=True)
+    logits, cache = prefill(model, idx[:, :20], policy=policy, chunk_size=4, all_logits=True)
+    steps = [decode_step(model, cache, idx[:, i]) for i in range(20, 44)]
+    got = torch.cat([logits, torch.stack(steps, 1)], 1)
+    evicted = [int(sum(len(ev.pos) for ev in lc.log)) for lc in cache.layers]
+    assert min(evicted) > 20, evicted  # every layer dropped keys, in prefill and in decode
+    with torch.no_grad():
+        ref = _forward_without_evicted(model, idx, cache)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

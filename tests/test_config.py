@@ -123,3 +123,17 @@ def test_derived_values() -> None:
         derive(load_config([], ["parallel.sequence=4"]), world_size=6)
     with pytest.raises(ConfigError, match="data.seq_len=130 is not divisible by parallel.sequence=4"):
         derive(load_config([], ["parallel.sequence=4", "data.seq_len=130"]), world_size=4)
+
+
+def test_kv_shift_key_default_override_and_old_yaml(tmp_path: Path) -> None:
+    """model.attention.kv_shift: false by default (a saved config from before the key loads with it off),
+    true by override, kept through the saved YAML."""
+    assert load_config([]).model.attention.kv_shift is False
+    cfg = load_config([ROOT / "configs/tiny.yaml"], ["model.attention.kv_shift=true"])
+    assert cfg.model.attention.kv_shift is True
+    assert from_yaml_text(to_yaml(cfg)).model.attention.kv_shift is True
+    old = to_yaml(load_config([ROOT / "configs/tiny.yaml"])).replace("    kv_shift: false\n", "")
+    assert "kv_shift" not in old
+    assert from_yaml_text(old).model.attention.kv_shift is False
+    with pytest.raises(ConfigError, match="kv_shift"):
+        load_config([], ["model.attention.kv_shift=maybe"])

@@ -234,6 +234,53 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
+# The key/value shift across ranks: each chunk's first token mixes in the raw k, v of the token before it,
+# held by another rank (or, zigzag, by this rank's other chunk). Both layouts, both modes.
+KV_SHIFT_CASES = [
+    ("zigzag", "ring", {"rope": True, "qk_norm": True}),
+    ("contiguous", "ring", {}),
+    ("zigzag", "ulysses", {}),
+    ("contiguous", "ulysses", {"rope": True}),
+]
+
+
+def _gpt_kv_shift_step(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """Tiny GPT with kv_shift (random gates): loss and every parameter gradient of a sequence-parallel
+    step vs the 1-rank step, per KV_SHIFT_CASES."""
+    from fpa_model.config import AttentionConfig, ModelConfig
+    from fpa_model.context_parallel import SequenceParallel
+    from fpa_model.model import GPT
+    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
+
+    out: dict[str, dict[str, float]] = {}
+    for layout, mode, extra in KV_SHIFT_CASES:
+        att = AttentionConfig(kind="fpa", block_size=4, field_weight_std=0.5, kv_shift=True, **extra)
+        cfg = ModelConfig(vocab_size=61, n_layer=2, n_head=4, d_model=32, max_seq_len=64, attention=att)
+        torch.manual_seed(0)
+        sp_model = GPT(cfg)
+        with torch.no_grad():  # gates away from the 50/50 init
+            for blk in sp_model.blocks:
+                blk.attn.shift_proj.weight.normal_(0, 0.5)
+                blk.attn.shift_proj.bias.uniform_(-2.0, 2.0)
+        ref_model = copy.deepcopy(sp_model)
+        tokens = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(2))
+        ref_loss = F.cross_entropy(ref_model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+        ref_loss.backward()
+        sp_model.set_sequence_parallel(SequenceParallel(dist.group.WORLD, layout=layout, mode=mode))
+        x, y = shard_batch(tokens, rank, world, layout=layout)
+        loss = sequence_parallel_cross_entropy(sp_model(x), y, dist.group.WORLD)
+        loss.backward()
+        errs = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+        ref_params = dict(ref_model.named_parameters())
+        for name, p in sp_model.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)  # the group's per-rank shares sum to the full gradient
+            r = ref_params[name].grad
+            errs[name] = float((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12))
+        out[f"{layout}-{mode}"] = errs
+    return out
+
+
 def _triton_ring(rank: int, world: int) -> dict[str, dict[str, float]]:
     """The ring on its Triton blocks (impl="triton", interpreter) vs the oracle, per TRITON_CASES."""
     out: dict[str, dict[str, float]] = {}
@@ -296,8 +343,8 @@ def _spawn(world: int, tmp_root: Path, extra: tuple[str, ...] = ()) -> list[dict
 def _extras(world: int) -> tuple[str, ...]:
     """The loss, Triton-ring and GPT checks ride on the 2-rank spawn (one spawn, not two)."""
     if world != 2:
-        return ()
-    return ("_sp_loss_check", "_triton_ring", "_gpt_sp_step")
+        return ("_gpt_kv_shift_step",)
+    return ("_sp_loss_check", "_triton_ring", "_gpt_sp_step", "_gpt_kv_shift_step")
 
 
 @pytest.fixture(scope="module")
@@ -356,6 +403,25 @@ def test_gpt_sequence_parallel_step_matches_one_rank(
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
         errs = r[f"{kind}-{field}-{mode}-{impl}"]
         assert len(errs) > 5  # the loss and every parameter
+        bad = {k: v for k, v in errs.items() if not v < TOL}
+        assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("layout", "mode"), [c[:2] for c in KV_SHIFT_CASES], ids=[f"{c[0]}-{c[1]}" for c in KV_SHIFT_CASES]
+)
+def test_gpt_kv_shift_sequence_parallel_matches_one_rank(
+    world: int, layout: str, mode: str, tmp_root: Path
+) -> None:
+    """kv_shift under sequence parallelism: loss and every gradient (the shift gates' too) equal the
+    single-rank model's, with the previous token's k, v fetched across rank (and zigzag chunk) borders."""
+    for rank, res in enumerate(_spawn(world, tmp_root, _extras(world))):
+        r = res["_gpt_kv_shift_step"]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        errs = r[f"{layout}-{mode}"]
+        assert {"blocks.0.attn.shift_proj.weight", "blocks.1.attn.shift_proj.bias"} <= set(errs)
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
 
@@ -523,3 +589,17 @@ def test_ring_impl_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tk, "_INTERPRET", False)
     with pytest.raises(RuntimeError, match="impl 'triton' is unavailable here.*CUDA tensors"):
         context_parallel_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="triton")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_chunk_predecessors_single_process(layout: str) -> None:
+    """One rank: the value before each local chunk is the previous chunk's tail, zeros before chunk 0,
+    and the gradient reaches the tail that was used (zigzag: chunk 1 gets chunk 0's)."""
+    n = cp.num_chunks(1, layout)
+    tails = torch.arange(1.0, n + 1.0)[:, None].expand(n, 3).clone().requires_grad_()
+    prev = cp.chunk_predecessors(tails, cp.SequenceParallel(None, layout=layout))
+    assert prev[:, 0].tolist() == [0.0, 1.0][:n]
+    prev.sum().backward()
+    assert tails.grad[:, 0].tolist() == ([1.0, 0.0] if n == 2 else [0.0])
+    with pytest.raises(ValueError, match="chunks"):
+        cp.chunk_predecessors(torch.zeros(n + 1, 3), cp.SequenceParallel(None, layout=layout))

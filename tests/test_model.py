@@ -234,3 +234,127 @@ def test_gpt_loss_and_flops():
     assert loss.item() == pytest.approx(math.log(50), rel=0.1)  # near-uniform predictions at init
     n = model.num_parameters(non_embedding=True) + 50 * D
     assert model.flops_per_token(8) == 6 * n + 6 * 2 * 8 * D
+
+
+# ----------------------------------------------------------------------------------------------------
+# Key/value shift (model.attention.kv_shift)
+
+
+def _shift_attn(seed=0, **kw) -> Attention:
+    attn = _attn(seed, kv_shift=True, field_weight_std=0.3, **kw)
+    with torch.no_grad():  # gates away from the 50/50 init, different per head, token and k / v
+        attn.shift_proj.weight.normal_(0, 0.5)
+        attn.shift_proj.bias.uniform_(-2.0, 2.0)
+    return attn
+
+
+def _shift_reference(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+    """The layer from the formula, token by token: raw projections, k'_t = g_k k_t + (1 - g_k) k_{t-1}
+    (v likewise, k_{-1} = v_{-1} = 0), then qk-norm and RoPE at position t, the naive op, the output."""
+    from fpa_model.ops.fpa.naive import fpa_attention_naive
+
+    b, t, _ = x.shape
+    q, k, v = F.linear(x, attn.qkv.weight).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
+    g = torch.sigmoid(F.linear(x, attn.shift_proj.weight, attn.shift_proj.bias))  # (B, T, 2H)
+    ks, vs = [], []
+    for s in range(t):
+        gk, gv = g[:, s, :H, None], g[:, s, H:, None]
+        kp, vp = (k[:, :, s - 1], v[:, :, s - 1]) if s else (torch.zeros_like(k[:, :, 0]),) * 2
+        ks.append(gk * k[:, :, s] + (1 - gk) * kp)
+        vs.append(gv * v[:, :, s] + (1 - gv) * vp)
+    k, v = torch.stack(ks, 2), torch.stack(vs, 2)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.use_rope:
+        cos, sin = rope_cos_sin(torch.arange(t), D // H)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    phi = None
+    if attn.field_proj is not None:
+        pre = F.linear(x, attn.field_proj.weight, attn.field_proj.bias).transpose(1, 2)
+        u = F.logsigmoid(pre) if attn.field_mode == "gate" else pre
+        phi = u if attn.field_mode == "direct" else u.cumsum(-1)
+    return attn.output(fpa_attention_naive(q, k, v, phi, kind=attn.kind), x)
+
+
+SHIFT_CASES = [
+    ("fpa", "walk", {"rope": True, "qk_norm": True, "output_gate": True}),
+    ("fpa", "direct", {}),
+    ("fox", "gate", {}),
+    ("softmax", "walk", {}),
+]
+
+
+SHIFT_IMPL_CASES = [(impl, *case) for impl in ("naive", "chunked") for case in SHIFT_CASES] + [
+    pytest.param("triton", *SHIFT_CASES[0], marks=pytest.mark.triton)  # one: the interpreter is slow
+]
+SHIFT_IMPL_IDS = [f"{i}-{k}-{f}" for i in ("naive", "chunked") for k, f, _ in SHIFT_CASES] + [
+    "triton-fpa-walk"
+]
+
+
+@pytest.mark.parametrize("impl,kind,field,extra", SHIFT_IMPL_CASES, ids=SHIFT_IMPL_IDS)
+def test_kv_shift_forward_and_grads_match_formula(impl, kind, field, extra):
+    """The layer with kv_shift = the formula on the raw projections (before qk-norm / RoPE), output and
+    every gradient, on each attention impl (the shift lives in the projection; the ops are unchanged)."""
+    attn = _shift_attn(kind=kind, field=field, impl=impl, block_size=4, **extra)
+    x = _x(t=11).requires_grad_()
+    got = attn(x)
+    got.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters()} | {"x": x.grad.clone()}
+    attn.zero_grad()
+    x.grad = None
+    ref = _shift_reference(attn, x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    for n, p in [*attn.named_parameters(), ("x", x)]:
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-3, msg=n)
+    assert grads["shift_proj.weight"].abs().sum() > 0 and grads["shift_proj.bias"].abs().sum() > 0
+    # The shift is real: the same weights without it give another output.
+    plain = _attn(kind=kind, field=field, impl="naive", **extra)
+    plain.load_state_dict({k: v for k, v in attn.state_dict().items() if not k.startswith("shift_proj")})
+    assert (plain(x) - got).abs().max() > 1e-3
+
+
+def test_kv_shift_init_is_an_even_mix_and_off_adds_nothing():
+    """Zero-init gates: k'_t = (k_t + k_{t-1}) / 2 at start. Off (the default): no parameters, so configs
+    and checkpoints without the key load unchanged."""
+    assert AttentionConfig().kv_shift is False
+    attn = _attn(kv_shift=True, rope=True)
+    assert not attn.shift_proj.weight.any() and not attn.shift_proj.bias.any()
+    x = _x(t=6)
+    q, k, v = attn.raw_qkv(x)
+    _, k2, v2 = attn.raw_qkv(x)
+    ks, vs = attn.shift_kv(x, k, v)
+    torch.testing.assert_close(ks[:, :, 1:], (k2[:, :, 1:] + k2[:, :, :-1]) / 2)
+    torch.testing.assert_close(vs[:, :, 0], v2[:, :, 0] / 2)  # v_{-1} = 0
+    torch.testing.assert_close(attn(x), _shift_reference(attn, x), atol=1e-5, rtol=1e-4)
+
+    off, on = GPT(tiny_cfg()), GPT(tiny_cfg(kv_shift=True))
+    assert not any("shift" in name for name in off.state_dict())
+    extra = set(on.state_dict()) - set(off.state_dict())
+    assert extra == {f"blocks.{i}.attn.shift_proj.{p}" for i in range(2) for p in ("weight", "bias")}
+    assert on.num_parameters() - off.num_parameters() == 2 * (2 * H * D + 2 * H)
+    old = {k: v for k, v in on.state_dict().items() if "shift" not in k}  # a checkpoint from before
+    GPT(tiny_cfg()).load_state_dict(old, strict=True)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 3, 1]], ids=["tokens", "mixed"])
+def test_kv_shift_decode_with_carry_matches_forward(chunks):
+    """project_with_carry(kv_prev) chunk by chunk == forward: the carry is the last raw k, v."""
+    attn = _shift_attn(kind="fpa", field="walk", rope=True, qk_norm=True)
+    x = _x(b=1, t=sum(chunks))
+    full = attn(x)
+    ks, vs, phis, outs, phi_prev, carry, t = [], [], [], [], None, None, 0
+    for n in chunks:
+        xc = x[:, t : t + n]
+        (q, k, v, u), carry_next = attn.project_with_carry(xc, pos_offset=t, kv_prev=carry)
+        raw_k, raw_v = attn.raw_qkv(xc)[1:]
+        assert torch.equal(carry_next[0], raw_k[:, :, -1]) and torch.equal(carry_next[1], raw_v[:, :, -1])
+        carry, t = carry_next, t + n
+        phi = attn.field_from_increments(u, phi_prev)
+        phi_prev = phi[..., -1]
+        ks.append(k), vs.append(v), phis.append(phi)
+        o = attn.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(phis, -1))
+        outs.append(attn.output(o, xc))
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
+    assert attn.project_with_carry(x)[1] is not None and _attn().project_with_carry(x)[1] is None
