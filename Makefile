@@ -16,6 +16,9 @@ NP_WARN := -W "ignore:Conversion of an array with ndim:DeprecationWarning"
 WHEELS ?= wheels
 GPU_PY ?= python3
 export OMP_NUM_THREADS ?= 1
+# Test processes (pytest-xdist). The main suite goes file by file (--dist loadfile: a module's fixtures are
+# built once); the Triton reruns test by test. 2 suits a 2-core CI machine; `make test TEST_WORKERS=8`.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-triton36 lint bench venv clean gpu-wheels gpu-check gpu-check-dry
 
@@ -40,7 +43,7 @@ demo: $(STAMP)
 # fails, and the target fails if either did.
 test: $(STAMP_TEST) $(STAMP36)
 	rc=0; \
-	$(VENV)/bin/python -m pytest -q --durations=25 || rc=1; \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 || rc=1; \
 	$(TRITON36_TESTS); \
 	exit $$rc
 
@@ -51,14 +54,14 @@ test: $(STAMP_TEST) $(STAMP36)
 $(STAMP36): pyproject.toml constraints/cpu-triton36.txt
 	$(PY) -m venv $(VENV36)
 	$(VENV36)/bin/pip install -q --upgrade pip
-	$(VENV36)/bin/pip install -q -c constraints/cpu-triton36.txt torch triton numpy 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VENV36)/bin/pip install -q -c constraints/cpu-triton36.txt torch triton numpy 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.6,<4'
 	$(VENV36)/bin/pip install -q --no-deps -e .
 	touch $@
 
 TRITON36_TESTS = \
 	$(VENV36)/bin/python -c "import triton, torch; print('Triton tests on triton', triton.__version__, 'torch', torch.__version__)"; \
-	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) tests/test_fpa_triton.py tests/test_triton_blocks.py || rc=1; \
-	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(NP_WARN) -m 'triton and not gpu' \
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(NP_WARN) tests/test_fpa_triton.py tests/test_triton_blocks.py || rc=1; \
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(NP_WARN) -m 'triton and not gpu' \
 		tests/test_context_parallel.py tests/test_gpu_check.py || rc=1
 
 test-triton36: $(STAMP36)
