@@ -24,8 +24,10 @@ import io
 import multiprocessing
 import os
 import queue
+import sys
 import tarfile
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -89,6 +91,8 @@ def tokenize_stream(
     the GIL; the consumer packs and writes meanwhile. Batches of a few million characters keep every
     core busy and bound the memory of one batch (measured: one encode_batch over a whole corpus used 8.8 GB).
     """
+    if pool is not None:  # every worker needs batches to work on, also from a corpus of a few MB
+        batch_chars = min(batch_chars, POOL_BATCH_CHARS)
     batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
     if pool is not None:
         encoded = pool.encode(batches, eod, dtype, prefetch)
@@ -97,6 +101,7 @@ def tokenize_stream(
     return in_thread(encoded, prefetch, "tokenize")
 
 
+POOL_BATCH_CHARS = 1 << 18  # batches for worker processes: about 60k tokens, many per worker
 _WORKER_TOK: Tokenizer | None = None
 
 
@@ -117,8 +122,7 @@ class TokenizerPool:
     and used by every stream of a prepare; `with TokenizerPool(...) as pool` stops them at the end.
 
     spawn, not fork: a forked child of a process whose tokenizer pool already ran gets a dead pool (and
-    forking a process with running threads can deadlock). A spawned worker imports the parent's main
-    module, so a main module should keep heavy imports (torch) inside its functions."""
+    forking a process with running threads can deadlock)."""
 
     def __init__(self, tok: Tokenizer, processes: int, threads: int = 0) -> None:
         self.processes = processes
@@ -127,6 +131,19 @@ class TokenizerPool:
         self._pool = ProcessPoolExecutor(
             processes, ctx, initializer=_worker_init, initargs=(tok.to_str(), threads)
         )
+        # Start every worker now, with an empty __main__ in place: a spawned worker would otherwise run
+        # the caller's main module again (its imports, and in a script without a __main__ guard, its
+        # whole body: a second prepare waiting forever on this one's directory lock). The workers need
+        # nothing from it. No other thread of prepare runs yet.
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            # The executor spawns a worker per submit while none is idle; none can be idle before it
+            # booted (a tenth of a second), so these submits, microseconds apart, start all of them.
+            for f in [self._pool.submit(int) for _ in range(processes)]:
+                f.result()
+        finally:
+            sys.modules["__main__"] = main
 
     def encode(
         self, batches: Iterable[list[str]], eod: int, dtype: str, prefetch: int = 2

@@ -480,3 +480,34 @@ def test_worker_processes_write_the_same_bytes(tmp_path: Path, prepared) -> None
         ref = ref or digest
         assert digest == ref, f"prepare_processes={processes}"
     assert ref == tree_digest(data_dir)  # and the same as the default batch size
+
+
+def test_worker_processes_do_not_rerun_an_unguarded_script(tmp_path: Path) -> None:
+    """A spawned worker runs nothing of the caller's main module: a script without a __main__ guard
+    calling prepare with worker processes finishes (it used to hang: each worker ran the script again
+    and waited on the first prepare's directory lock)."""
+    import os
+    import subprocess
+    import sys
+
+    corpus = write_corpus(tmp_path / "c.jsonl", n_docs=30)
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "from data_prep.config import DataConfig, SourceConfig, TokenizerConfig\n"
+        "from data_prep.prepare import prepare_data\n"
+        f"cfg = DataConfig(train=SourceConfig(type='jsonl', paths=[{str(corpus)!r}]), seq_len=16,\n"
+        "    tokenizer=TokenizerConfig(vocab_size=300), prepare_processes=3, tokenize_batch_docs=4)\n"
+        f"prepare_data(cfg, Path({str(tmp_path / 'out')!r}), progress=False)\n"
+        "print('done')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]
