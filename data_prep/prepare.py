@@ -590,7 +590,10 @@ def prepare_plan(
     key = content_key(cfg)
     _check_replaceable(out_dir, cfg if shared else None, key)  # refused now, not after the array ran
     parts = parts_dir(out_dir)
-    if parts.exists():  # a plan of another config or an older attempt: its parts must not be merged
+    kept = _current_plan(cfg, parts, key)
+    if kept is not None:  # a launch again after a failed part: the plan and finished parts stand
+        return kept
+    if parts.exists():  # a plan of another config or parts count: its parts must not be merged
         shutil.rmtree(parts)
     parts.mkdir(parents=True)
     t0 = time.perf_counter()
@@ -613,6 +616,33 @@ def prepare_plan(
     }
     _write_json_atomic(parts / PLAN_FILE, plan)
     return plan
+
+
+def _current_plan(cfg: DataConfig, parts: Path, key: str) -> dict[str, Any] | None:
+    """The plan in `parts` when it was made for this content and parts count and its tokenizer is intact."""
+    try:
+        plan = _read_plan(cfg, parts, key)
+        raw = (parts / TOKENIZER_FILE).read_bytes()
+    except (DataError, OSError):
+        return None
+    return plan if hashlib.sha256(raw).hexdigest() == plan["tokenizer_sha256"] else None
+
+
+def _finished_part(parts: Path, part: int, plan: dict[str, Any]) -> dict[str, Any] | None:
+    """A part's done.json when it belongs to this plan and its token files are whole (None: redo it)."""
+    d = _part_dir(parts, part)
+    try:
+        rec = json.loads((d / PART_DONE).read_text())
+    except (OSError, ValueError):
+        return None
+    mine = (rec.get("content_key"), rec.get("tokenizer_sha256"), rec.get("parts"), rec.get("part"))
+    if mine != (plan["content_key"], plan["tokenizer_sha256"], plan["parts"], part):
+        return None
+    for k, st in enumerate(rec.get("streams", [])):
+        f = d / f"stream-{k:03d}.u32"
+        if not f.is_file() or f.stat().st_size != 4 * st["tokens"]:
+            return None
+    return rec if len(rec.get("streams", [])) == len(plan["streams"]) else None
 
 
 def _read_plan(cfg: DataConfig, parts: Path, key: str) -> dict[str, Any]:
@@ -652,6 +682,8 @@ def prepare_part(cfg: DataConfig, out_dir: Path, part: int) -> dict[str, Any]:
         raise DataError(
             f"{parts / TOKENIZER_FILE} does not match {parts / PLAN_FILE}: run the plan step again"
         )
+    if (done := _finished_part(parts, part, plan)) is not None:  # a relaunch: this part stands
+        return {**done, "kept": True}
     eod = eod_id(tok, cfg.tokenizer.eod_token)
     final = _part_dir(parts, part)
     tmp = parts / f".part-{part:05d}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

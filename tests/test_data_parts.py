@@ -121,7 +121,12 @@ def test_a_missing_failed_or_foreign_part_names_it_and_keeps_the_data(corpora: P
         "plan.json",
         "tokenizer.json",
     ]
-    prepare_part(cfg, out, 1)
+    # launching again keeps the plan and the finished parts: only the missing one runs
+    plan_bytes = (parts / "plan.json").read_bytes()
+    prepare_plan(cfg, out, progress=False)
+    assert (parts / "plan.json").read_bytes() == plan_bytes
+    assert prepare_part(cfg, out, 0).get("kept") is True
+    assert prepare_part(cfg, out, 1).get("kept") is None
     done = parts / "part-00002" / "done.json"
     rec = json.loads(done.read_text())
     done.write_text(json.dumps({**rec, "tokenizer_sha256": "f00d" * 16}))
