@@ -220,3 +220,39 @@ def test_launch_slurm_runs_prepare_as_an_array_then_merge_then_train(tmp_path: P
     record = json.loads((out / "jobs.jsonl").read_text())
     assert list(record["jobs"]) == ["prepare-plan", "prepare-part", "prepare-merge", "train", "eval"]
     shutil.rmtree(tmp_path / "r")
+
+
+def test_sweep_prepares_shared_data_in_parts_before_its_training_array(tmp_path: Path, monkeypatch) -> None:
+    from launch.sweep import run_sweep
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(SBATCH_STUB.format(log=calls))
+    sbatch.chmod(sbatch.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(
+        f"""
+name: s
+configs: [{ROOT / "configs" / "tiny.yaml"}]
+overrides:
+  runs_dir: {tmp_path / "runs"}
+  data.out_dir: {tmp_path / "runs" / "data"}
+  data.prepare_parts: 2
+grid:
+  model.attention.kind: [fpa, softmax]
+"""
+    )
+    ids = run_sweep(sweep, mode="slurm")
+    out = tmp_path / "runs" / "sweeps" / "s" / "slurm"
+    assert ids == ["101", "102", "103", "104", "105"]
+    assert calls.read_text().splitlines() == [
+        f"--parsable {out}/prepare-0-plan.sbatch",
+        f"--parsable --dependency=afterok:101 {out}/prepare-0-part.sbatch",
+        f"--parsable --dependency=afterany:102 {out}/prepare-0-merge.sbatch",
+        f"--parsable --dependency=afterok:103 {out}/train-array.sbatch",  # after the merge
+        f"--parsable --dependency=aftercorr:104 {out}/eval-array.sbatch",
+    ]
+    assert "#SBATCH --array=0-1" in (out / "prepare-0-part.sbatch").read_text()
