@@ -274,3 +274,30 @@ def test_single_source_hashes_as_before_mixtures() -> None:
     mixed = DataConfig(mixture={"a": MixtureSourceConfig(skip_docs=3)})
     assert "train" not in data_config_dict(mixed)  # ignored with a mixture: changing it changes nothing
     assert data_config_dict(mixed)["mixture"]["a"]["skip_docs"] == 3
+
+
+def test_report_names_the_mixture_sources_and_their_tokens(mix) -> None:
+    """index.json's per-source counts reach the eval report (data_sources, one markdown line)."""
+    from data_prep.prepare import source_summary
+    from pipeline.evaluation.report import REPORT_KEYS, build_report, report_markdown
+
+    _, data_dir, _ = mix
+    sources = source_summary(load_index(data_dir).mixture["train"])
+    common = {
+        "run": "r",
+        "kind": "fpa",
+        "field": "walk",
+        "seq_len": 8,
+        "n_params": 1,
+        "checkpoint": "x",
+        "train_val_loss": 1.0,
+    }
+    rep = build_report(**common, passkey=None, ppl=None, data_sources=sources)
+    assert tuple(rep) == REPORT_KEYS
+    assert rep["data_sources"]["small"] == {
+        k: sources["small"][k] for k in ("weight", "documents", "tokens", "sequences")
+    }
+    line = f"small weight 3, {sources['small']['tokens']:,} tokens"
+    assert line in report_markdown(rep)
+    single = build_report(**common, passkey=None, ppl=None)
+    assert single["data_sources"] is None and "a mixture" not in report_markdown(single)
