@@ -174,6 +174,7 @@ def test_cli_steps_write_the_prepare_manifest(tmp_path: Path) -> None:
         "data.train.max_docs=40",
         "data.extra_validation={}",
         "data.validation.max_docs=5",
+        "data.tokenizer.vocab_size=512",
     ]
     cfg = load_config([str(ROOT / "configs" / "tiny.yaml")], over)
     run_prepare(cfg, step="plan")
