@@ -84,9 +84,14 @@ class GPT(nn.Module):
             block.norm2.weight.fill_(1.0)
         self.norm_f.weight.fill_(1.0)
 
-    def forward(self, idx: Tensor, head: bool = True) -> Tensor:
+    def forward(self, idx: Tensor, head: bool = True, keep: Tensor | None = None) -> Tensor:
         """Logits (B, T, vocab); head=False: the final normed hidden states (B, T, d_model), for a loss that
-        applies lm_head itself (pipeline.loss, chunked)."""
+        applies lm_head itself (pipeline.loss, chunked).
+
+        keep: a (B, T) bool mask; only those positions come out, as (N, vocab) logits or (N, d_model) states
+        (N = keep.sum(), row-major). A loss on a few positions (passkey answers) then skips the vocab-wide
+        head everywhere else, inside this forward (so ZeRO-3 still gathers the head's weight).
+        """
         x = self.embed(idx)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -94,6 +99,8 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         x = self.norm_f(x)
+        if keep is not None:
+            x = x[keep]
         return self.lm_head(x) if head else x
 
     def set_sequence_parallel(self, sp: SequenceParallel | None) -> int:

@@ -17,7 +17,7 @@ from pipeline import distributed as dist_utils
 from pipeline.batches import Batch, MicroBatch, batch_to_xy
 from pipeline.checkpointer import TrainState
 from pipeline.guards import StepPolicy, drop_step
-from pipeline.loss import lm_loss
+from pipeline.loss import IGNORE_INDEX, lm_loss
 from pipeline.preemption import StopFlag
 
 
@@ -60,12 +60,19 @@ class StepResult:
 
 
 def micro_loss(
-    engine: Any, batch: Batch, device: torch.device, sp: SeqParallel | None, chunk_tokens: int = 0
+    engine: Any,
+    batch: Batch,
+    device: torch.device,
+    sp: SeqParallel | None,
+    chunk_tokens: int = 0,
+    targeted_only: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token loss of one micro batch and the number of tokens it covers.
 
     Under sequence parallelism the loss is the mean over the whole sequences (the same value on every rank
     of the group); grad_scale=degree undoes DeepSpeed averaging gradients over the dp x sp ranks.
+    targeted_only: the LM head runs only where a target is not ignored (passkey rows: a few answer tokens
+    per prompt), the same loss without vocab-wide logits for every prompt token.
     """
     if sp is None:
         x, y = batch_to_xy(batch, device)
@@ -78,11 +85,16 @@ def micro_loss(
             x, y = shard_batch(batch.long(), sp.rank, sp.degree, layout=sp.layout)
         x, y = x.to(device), y.to(device)
     group, scale, n = (None, 1.0, y.numel()) if sp is None else (sp.group, sp.degree, y.numel() * sp.degree)
+    keep = (y != IGNORE_INDEX) if targeted_only else None
+    if keep is not None:
+        y = y[keep][None]  # (1, N): the model returns the kept positions only, in the same order
     if chunk_tokens:  # the loss applies the LM head itself, chunk by chunk
-        hidden = engine(x, head=False)
+        hidden = engine(x, head=False, keep=keep)
+        hidden = hidden[None] if keep is not None else hidden
         head = engine.module.lm_head.weight
         return lm_loss(hidden, y, head=head, chunk_tokens=chunk_tokens, group=group, grad_scale=scale), n
-    return lm_loss(engine(x), y, group=group, grad_scale=scale), n
+    logits = engine(x, keep=keep)
+    return lm_loss(logits[None] if keep is not None else logits, y, group=group, grad_scale=scale), n
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -114,7 +126,9 @@ def train_step(
         lm_value, pk_value = loss.item(), 0.0
         if micro.passkey is not None:  # the passkey phase adds answer-only rows
             in_phase = True
-            pk_loss, _ = micro_loss(engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens)
+            pk_loss, _ = micro_loss(
+                engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
+            )
             pk_value = pk_loss.item()
             loss = loss + setup.passkey_weight * pk_loss
         # One collective per micro step: [finite LM loss sum, non-finite count, stop request, passkey sum].

@@ -280,3 +280,43 @@ def test_export_reads_old_checkpoint_configs():
     assert _config_from_checkpoint(text, RunConfig(), Path("ck")).model.vocab_size == 77
     with pytest.raises(ExportError, match="n_layers"):
         _config_from_checkpoint(text.replace("n_layer:", "n_layers:"), RunConfig(), Path("ck"))
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 3])
+def test_targeted_only_loss_equals_the_full_logits_loss(chunk_tokens):
+    """Passkey rows run the LM head at their answer positions only: the loss and every gradient equal the
+    loss over full logits with the other targets ignored (plain and chunked loss)."""
+    import torch
+
+    from fpa_model.config import ModelConfig
+    from fpa_model.model import GPT
+    from pipeline.step import micro_loss
+
+    class Engine:  # what micro_loss uses of a DeepSpeed engine
+        def __init__(self, module: torch.nn.Module) -> None:
+            self.module = module
+
+        def __call__(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=40, n_layer=2, n_head=2, d_model=16)).double()
+    x = torch.randint(0, 40, (3, 12))
+    y = torch.full((3, 12), -100)
+    y[0, 9:11], y[1, 3], y[2, 11] = torch.tensor([5, 6]), 7, 8  # a few answer tokens, rows differ
+    grads = []
+    for targeted in (False, True):
+        model.zero_grad()
+        loss, n = micro_loss(Engine(model), (x, y), torch.device("cpu"), None, chunk_tokens, targeted)
+        loss.backward()
+        grads.append((loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (full, n_full, g_full), (part, n_part, g_part) = grads
+    assert n_full == n_part == 36
+    assert torch.allclose(full, part, rtol=1e-12, atol=0), (full, part)
+    assert g_full.keys() == g_part.keys()
+    for k in g_full:
+        assert torch.allclose(g_full[k], g_part[k], rtol=1e-10, atol=1e-12), k
+    # and the loss is the mean over the four answer tokens only
+    logits = model(x).double()
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert torch.allclose(part.double(), ref, rtol=1e-6)
