@@ -93,9 +93,8 @@ class DataConfig:
     sequences_per_member: int = 64  # sequences packed into one tar member
     sequences_per_shard: int = 4096
     max_doc_chars: int = 100_000  # longer documents are split
-    num_workers: int = (
-        0  # tokenizer threads per prepare process (0: all cores / processes; RAYON_NUM_THREADS wins)
-    )
+    # Tokenizer threads per prepare process (0: all cores / processes; RAYON_NUM_THREADS wins).
+    num_workers: int = 0
     # Tokenizer processes in prepare: 1 tokenizes in the prepare process itself; N > 1 spreads the batches
     # over N worker processes (the Python side of tokenization scales too). The bytes written are the same.
     prepare_processes: int = 1
