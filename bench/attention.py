@@ -21,7 +21,10 @@ would grow x16.
 Before timing, the chunked path is checked against the naive oracle (outputs and gradients) at T=96.
 
 Usage: python bench/attention.py [--quick] [--lengths 512,2048,8192] [--heads 8] [--head-dim 64]
-                                 [--block-size 256] [--repeats 5] [--json out.json]
+                                 [--block-size 256] [--repeats 5] [--json out.json] [--result-dir DIR]
+
+Writes docs/results/attention/result.{json,md} (or --result-dir) with the commit, machine, command and
+load average; --quick and --no-result write none.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: T=256,1024, 2 heads, 2 repeats")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory runs")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--result-dir", type=Path, default=None, help="default docs/results/attention")
+    ap.add_argument("--no-result", action="store_true", help="write no result file (--quick implies it)")
     ap.add_argument("--memory-child", nargs=5, metavar=("NAME", "T", "H", "D", "BS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -166,12 +171,65 @@ def measure_memory(name: str, t: int, h: int, d: int, bs: int) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"])
 
 
+def memory_growth(res: dict, lengths: list[int], name: str) -> list[tuple[float, float]]:
+    """(growth of T, growth of the peak memory) between consecutive lengths."""
+    return [
+        (t1 / t0, res[(name, t1)]["peak_mb"] / max(res[(name, t0)]["peak_mb"], 1e-9))
+        for t0, t1 in zip(lengths, lengths[1:])
+    ]
+
+
+def result_markdown(res: dict, lengths: list[int], args: argparse.Namespace, prov: dict) -> str:
+    """The result file's markdown: ratios to SDPA (wall and CPU time) and peak memory per T."""
+    from bench.results import provenance_md
+
+    mem = not args.no_memory
+    reps = sorted({res[(n, t)]["repeats"] for n in CONTENDERS for t in lengths})
+    lines = [
+        "# Attention, forward + backward: chunked FPA and FoX against SDPA",
+        "",
+        provenance_md(prov),
+        "",
+        f"fp32, B=1, H={args.heads}, D={args.head_dim}, chunked block {args.block_size}, "
+        f"{prov['machine']['torch_threads']} thread(s); time: median of {'/'.join(map(str, reps))} runs "
+        "per contender (interleaved, after a warm-up), as wall time and as process CPU time"
+        + ("; peak MB: peak RSS increase of a fresh process over one forward + backward." if mem else "."),
+        "",
+        "| T | FPA / SDPA wall | FoX / SDPA wall | FPA / SDPA CPU | FoX / SDPA CPU | wall ms FPA / FoX / SDPA"
+        + (" | peak MB FPA / FoX / SDPA |" if mem else " |"),
+        "|---|---|---|---|---|---|" + ("---|" if mem else ""),
+    ]
+    for t in lengths:
+        f, x, s = (res[(n, t)] for n in CONTENDERS)
+        row = (
+            f"| {t} | {f['ratio_wall']:.2f}x | {x['ratio_wall']:.2f}x | {f['ratio_cpu']:.2f}x | "
+            f"{x['ratio_cpu']:.2f}x | {f['wall_ms']:.0f} / {x['wall_ms']:.0f} / {s['wall_ms']:.0f} |"
+        )
+        if mem:
+            row += f" {f['peak_mb']:.0f} / {x['peak_mb']:.0f} / {s['peak_mb']:.0f} |"
+        lines.append(row)
+    if mem and len(lengths) > 1:
+        lines += ["", "Peak memory growth between consecutive lengths:"]
+        for name in CONTENDERS:
+            steps = memory_growth(res, lengths, name)
+            txt = ", ".join(f"T x{tg:g} -> memory x{mg:.1f}" for tg, mg in steps)
+            if name != "sdpa":
+                sdpa = [max(res[("sdpa", t)]["peak_mb"], 1e-9) for t in lengths]
+                of_sdpa = [res[(name, t)]["peak_mb"] / m for t, m in zip(lengths, sdpa)]
+                txt += "; " + ", ".join(f"{r:.1f}" for r in of_sdpa) + " x SDPA's peak"
+            lines.append(f"- {name}: {txt}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.memory_child:
         name, t, h, d, bs = args.memory_child
         memory_child(name, int(t), int(h), int(d), int(bs))
         return 0
+    from bench.results import finish_provenance, provenance, write_result
+
+    prov = provenance(None if argv is None else ["bench/attention.py", *argv])
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     lengths = [int(x) for x in args.lengths.split(",")]
     h, d, bs = args.heads, args.head_dim, args.block_size
@@ -204,10 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_memory and len(lengths) > 1:
         print()
         for name in CONTENDERS:
-            steps = []
-            for t0, t1 in zip(lengths, lengths[1:]):
-                m0, m1 = res[(name, t0)]["peak_mb"], res[(name, t1)]["peak_mb"]
-                steps.append((t1 / t0, m1 / max(m0, 1e-9)))
+            steps = memory_growth(res, lengths, name)
             # Linear: memory grows by at most ~1.5x the growth of T at each step (quadratic: its square).
             linear = all(mg <= 1.5 * tg for tg, mg in steps)
             txt = ", ".join(f"T x{tg:g} -> mem x{mg:.1f}" for tg, mg in steps)
@@ -215,6 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         rows = [{"contender": n, "T": t, **r} for (n, t), r in res.items()]
         args.json.write_text(json.dumps(rows, indent=2))
+    if not (args.quick or args.no_result):
+        finish_provenance(prov)
+        data = {
+            "heads": h,
+            "head_dim": d,
+            "block_size": bs,
+            "lengths": lengths,
+            "rows": [{"contender": n, "T": t, **r} for (n, t), r in res.items()],
+            "provenance": prov,
+        }
+        out = write_result("attention", data, result_markdown(res, lengths, args, prov), args.result_dir)
+        print(f"wrote {out}/result.json and result.md")
     return 0
 
 

@@ -13,6 +13,9 @@ the process (time.process_time: less sensitive to other load on a shared machine
 point, i.e. the extra memory a forward + backward needs on top of its inputs, per process. With 2 ranks
 on a 2-core machine the ideal time ratio is 0.5 and the ideal memory ratio about 0.5 (each rank holds
 half of the sequence and of the workspace). Timings are only meaningful on an otherwise idle machine.
+
+Writes docs/results/context_parallel/result.{json,md} (or --result-dir) with the commit, machine, command
+and the load average at the start and end; --quick and --no-result write none.
 """
 
 from __future__ import annotations
@@ -152,10 +155,15 @@ def main() -> None:
         help="ring layouts (zigzag, contiguous) and/or ulysses (all-to-all over heads, chunked per rank)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="T = 512, 1024 with 2 repeats")
+    p.add_argument("--result-dir", type=Path, default=None, help="default docs/results/context_parallel")
+    p.add_argument("--no-result", action="store_true", help="write no result file (--quick implies it)")
     args = p.parse_args()
     if args.quick:
         args.seqs, args.repeats = [512, 1024], 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from bench.results import finish_provenance, provenance, write_result
+
+    prov = provenance()
 
     print(
         f"kind={args.kind} B={args.batch} H={args.heads} D={args.dim} block={args.block} "
@@ -168,16 +176,84 @@ def main() -> None:
     )
     print(head)
     print("-" * len(head))
+    rows = []
     for seq in args.seqs:
         t1, c1, (m1,) = measure(1, "contiguous", seq, args)
         for variant in args.variants:
             t2, c2, m2 = measure(2, variant, seq, args)
+            rows.append(
+                {
+                    "T": seq,
+                    "variant": variant,
+                    "single_wall_s": t1,
+                    "single_cpu_s": c1,
+                    "single_peak_mb": m1,
+                    "ranks_wall_s": t2,
+                    "ranks_cpu_s": c2,
+                    "ranks_peak_mb": m2,
+                    "wall_ratio": t2 / t1,
+                    "cpu_ratio": c2 / c1,
+                    "memory_ratio": max(m2) / max(m1, 1e-9),
+                }
+            )
             ranks = "/".join(f"{m:.0f}" for m in m2)
             print(
                 f"{seq:>6} {variant:>10} {t1:>8.3f} {t2:>8.3f} {t2 / t1:>6.2f} {c1:>8.3f} {c2:>8.3f} "
                 f"{c2 / c1:>6.2f} {m1:>7.0f} {ranks:>11} {max(m2) / max(m1, 1e-9):>6.2f}",
                 flush=True,
             )
+    if not (args.quick or args.no_result):
+        finish_provenance(prov)
+        setup = {
+            k: getattr(args, k) for k in ("kind", "batch", "heads", "dim", "block", "repeats", "variants")
+        }
+        data = {**setup, "world": 2, "rows": rows, "provenance": prov}
+        out = write_result("context_parallel", data, result_markdown(setup, rows, prov), args.result_dir)
+        print(f"wrote {out}/result.json and result.md")
+
+
+VARIANT_NAMES = {"zigzag": "zigzag ring", "contiguous": "contiguous ring", "ulysses": "Ulysses"}
+
+
+def result_markdown(setup: dict, rows: list[dict], prov: dict) -> str:
+    """The result's markdown: per T and variant, 2 ranks over 1 process as ratios, then the raw figures."""
+    from bench.results import provenance_md
+
+    s = setup
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    seqs = list(dict.fromkeys(r["T"] for r in rows))
+    by = {(r["T"], r["variant"]): r for r in rows}
+    lines = [
+        "# Sequence parallel attention: 2 ranks against one process",
+        "",
+        provenance_md(prov),
+        "",
+        f"{s['kind']}, B={s['batch']}, H={s['heads']}, D={s['dim']}, block {s['block']}, forward + backward; "
+        "2 gloo ranks, one thread each, against the chunked path in one process. Each cell: the busiest "
+        "rank's CPU time / its peak extra memory, as ratios to the single process (ideal 0.5); median of "
+        f"{s['repeats']} steps after a warm-up.",
+        "",
+        "| T | " + " | ".join(f"{VARIANT_NAMES.get(v, v)} time / mem" for v in variants) + " |",
+        "|---|" + "---|" * len(variants),
+    ]
+    for t in seqs:
+        cells = [f"{by[t, v]['cpu_ratio']:.2f} / {by[t, v]['memory_ratio']:.2f}" for v in variants]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "The figures (seconds: median step; MB: peak extra memory per process):",
+        "",
+        "| T | variant | 1 process wall / CPU s | 2 ranks wall / CPU s | wall ratio | 1 process MB "
+        "| rank MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['T']} | {r['variant']} | {r['single_wall_s']:.3f} / {r['single_cpu_s']:.3f} | "
+            f"{r['ranks_wall_s']:.3f} / {r['ranks_cpu_s']:.3f} | {r['wall_ratio']:.2f} | "
+            f"{r['single_peak_mb']:.0f} | {' / '.join(f'{m:.0f}' for m in r['ranks_peak_mb'])} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@
    backward, AdamW step at the config's micro batch) unless --assume-train-tps is given. Target: >= 10x.
 
 Usage: OMP_NUM_THREADS=1 python bench/data.py [--repeats 5] [--json out.json] [--only processes,rss]
-Sections 2 and 3 are written to docs/results/data_prepare/result.{json,md} (or --out).
+Sections 1 and 4 are written to docs/results/data/result.{json,md}, sections 2 and 3 to
+docs/results/data_prepare/result.{json,md} (or under --out), each with the commit, machine, command and
+the load average at its start and end.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def bench_prepare(cfg: Any, work: Path, repeats: int) -> dict[str, Any]:
     return {
         "documents": len(docs),
         "tokens": full["tokens"],
+        "raw_tokens": n,  # the train and validation documents (prepare also writes data.extra_validation)
+        "extra_validation": sorted(cfg.extra_validation),
         "end_to_end_seconds": e2e_seconds,
         "tokenizer_train_seconds": full["tokenizer_seconds"],
         "raw_encode_batch_tokens_per_s": raw,
@@ -264,6 +268,10 @@ def bench_train_step(cfg: Any, vocab_size: int, steps: int) -> dict[str, Any]:
     return {"step_seconds": step, "tokens_per_s": b * t / step, "micro_batch": b, "seq_len": t}
 
 
+# The result files, each written from the sections it holds once they have run (--out: their parent dir).
+RESULT_GROUPS = {"data": ("prepare", "loader"), "data_prepare": ("processes", "rss")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
@@ -275,63 +283,126 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, nargs="*", default=[1, 2], help="prepare_processes to measure")
     ap.add_argument("--rss-scale", type=int, default=10, help="corpus multiple for the peak-RSS measurement")
     ap.add_argument("--only", default=None, help="comma-separated sections: prepare,processes,rss,loader")
-    ap.add_argument("--out", type=Path, default=None, help="result dir (default docs/results/data_prepare)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="parent of the result dirs data/, data_prepare/ (docs/results)"
+    )
     args = ap.parse_args(argv)
 
     cfg = load_config([args.config])
     out: dict[str, Any] = {}
     only = set(args.only.split(",")) if args.only else {"prepare", "processes", "rss", "loader"}
     # here, not at the top: it imports torch, and every tokenizer worker process imports this module
-    from bench.results import provenance, write_result
+    from bench.results import finish_provenance, provenance, write_result
 
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
-        if only & {"processes", "rss"}:
-            prov = provenance()
-            if "processes" in only:
+        for name, sections in RESULT_GROUPS.items():
+            if not only & set(sections):
+                continue
+            prov = provenance(None if argv is None else ["bench/data.py", *argv])
+            if "prepare" in only and "prepare" in sections:
+                out["prepare"] = bench_prepare(cfg.data, work, args.repeats)
+                print_prepare(out["prepare"], args.repeats)
+            if "loader" in only and "loader" in sections:
+                out.update(bench_loader_vs_train(cfg, work, args))
+            if "processes" in only and "processes" in sections:
                 out["processes"] = bench_processes(cfg.data, work, args.processes, args.repeats)
-            if "rss" in only:
+            if "rss" in only and "rss" in sections:
                 out["rss"] = bench_rss(args.config, cfg.data, work, args.rss_scale)
-            part = {k: out[k] for k in ("processes", "rss") if k in out}
-            res = write_result(
-                "data_prepare", {**part, "provenance": prov}, result_markdown(part, prov), args.out
-            )
+            finish_provenance(prov)
+            keys = [k for k in (*sections, "train_step", "loader_over_train") if k in out]
+            part = {k: out[k] for k in keys}
+            md = data_markdown(part, prov) if name == "data" else result_markdown(part, prov)
+            res = write_result(name, {**part, "provenance": prov}, md, args.out / name if args.out else None)
             print(f"wrote {res}/result.json and result.md")
-        if "prepare" in only:
-            out["prepare"] = bench_prepare(cfg.data, work, args.repeats)
-            p = out["prepare"]
-            print(
-                f"prepare: {p['tokens']:,} tokens; end to end {p['end_to_end_seconds']:.2f} s "
-                f"(tokenizer training {p['tokenizer_train_seconds']:.2f} s)"
-            )
-            print(
-                f"prepare {p['prepare_tokens_per_s'] / 1e6:.3f} M tok/s vs raw encode_batch "
-                f"{p['raw_encode_batch_tokens_per_s'] / 1e6:.3f} M tok/s (medians of {args.repeats}): "
-                f"ratio {p['prepare_over_raw']:.2f} (target >= 0.8); paired median "
-                f"{p['prepare_over_raw_paired_median']:.2f}; per CPU-second {p['prepare_over_raw_cpu']:.2f}"
-            )
-        if "loader" not in only:
-            if args.json:
-                Path(args.json).write_text(json.dumps(out, indent=1))
-            return 0
-        if not (work / "full" / "index.json").is_file():
-            prepare_data(cfg.data, work / "full", progress=False)
-        out["loader"] = bench_loader(work / "full", cfg.train.micro_batch, args.repeats, args.loader_batches)
-        vocab = json.loads((work / "full" / "index.json").read_text())["vocab_size"]
-    if args.assume_train_tps:
-        out["train_step"] = {"tokens_per_s": args.assume_train_tps, "assumed": True}
-    else:
-        out["train_step"] = bench_train_step(cfg, vocab, args.train_steps)
-    lt, tt = out["loader"]["tokens_per_s"], out["train_step"]["tokens_per_s"]
-    out["loader_over_train"] = lt / tt
-    how = "assumed" if args.assume_train_tps else f"measured, {out['train_step']['step_seconds']:.3f} s/step"
-    print(
-        f"loader {lt / 1e6:.2f} M tok/s (first batch {out['loader']['first_batch_seconds'] * 1e3:.0f} ms) vs "
-        f"tiny-model training {tt:,.0f} tok/s ({how}): ratio {lt / tt:,.0f}x (target >= 10x)"
-    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def print_prepare(p: dict[str, Any], repeats: int) -> None:
+    print(
+        f"prepare: {p['tokens']:,} tokens; end to end {p['end_to_end_seconds']:.2f} s "
+        f"(tokenizer training {p['tokenizer_train_seconds']:.2f} s)"
+    )
+    print(
+        f"prepare {p['prepare_tokens_per_s'] / 1e6:.3f} M tok/s vs raw encode_batch "
+        f"{p['raw_encode_batch_tokens_per_s'] / 1e6:.3f} M tok/s (medians of {repeats}): "
+        f"ratio {p['prepare_over_raw']:.2f} (target >= 0.8); paired median "
+        f"{p['prepare_over_raw_paired_median']:.2f}; per CPU-second {p['prepare_over_raw_cpu']:.2f}"
+    )
+
+
+def bench_loader_vs_train(cfg: Any, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Section 4: the loader's tokens/s against a tiny-model training step's (measured or assumed)."""
+    if not (work / "full" / "index.json").is_file():
+        prepare_data(cfg.data, work / "full", progress=False)
+    loader = bench_loader(work / "full", cfg.train.micro_batch, args.repeats, args.loader_batches)
+    vocab = json.loads((work / "full" / "index.json").read_text())["vocab_size"]
+    if args.assume_train_tps:
+        train = {"tokens_per_s": args.assume_train_tps, "assumed": True}
+    else:
+        train = bench_train_step(cfg, vocab, args.train_steps)
+    lt, tt = loader["tokens_per_s"], train["tokens_per_s"]
+    how = "assumed" if args.assume_train_tps else f"measured, {train['step_seconds']:.3f} s/step"
+    print(
+        f"loader {lt / 1e6:.2f} M tok/s (first batch {loader['first_batch_seconds'] * 1e3:.0f} ms) vs "
+        f"tiny-model training {tt:,.0f} tok/s ({how}): ratio {lt / tt:,.0f}x (target >= 10x)"
+    )
+    return {"loader": loader, "train_step": train, "loader_over_train": lt / tt}
+
+
+def data_markdown(out: dict[str, Any], prov: dict[str, Any]) -> str:
+    """The markdown of the `data` result: end-to-end prepare vs raw encode_batch, loader vs training."""
+    from bench.results import provenance_md
+
+    lines = [
+        "# Data: prepare against raw encode_batch, loader against a training step",
+        "",
+        provenance_md(prov),
+    ]
+    if "prepare" in out:
+        p = out["prepare"]
+        n = len(p["raw_runs"])
+        lines += [
+            "",
+            f"End-to-end prepare of the default corpus: {p['tokens']:,} tokens in "
+            f"{p['end_to_end_seconds']:.1f} s, tokenizer training ({p['tokenizer_train_seconds']:.2f} s) "
+            "included. Then prepare_data with that tokenizer "
+            + (
+                f"(train, validation and the extra validation splits {', '.join(p['extra_validation'])}: "
+                f"{p['tokens']:,} tokens) against raw `tokenizers.encode_batch` on the {p['documents']:,} "
+                f"train and validation documents only ({p['raw_tokens']:,} tokens)"
+                if p.get("extra_validation")
+                else f"against raw `tokenizers.encode_batch` on the same {p['documents']:,} documents"
+            )
+            + f" in the same batches, in tokens/s, alternating runs, medians of {n}:",
+            "",
+            "| prepare M tok/s | raw encode_batch M tok/s | ratio | paired ratio | ratio per CPU-second |",
+            "|---|---|---|---|---|",
+            f"| {p['prepare_tokens_per_s'] / 1e6:.2f} | {p['raw_encode_batch_tokens_per_s'] / 1e6:.2f} | "
+            f"{p['prepare_over_raw']:.2f} | {p['prepare_over_raw_paired_median']:.2f} | "
+            f"{p['prepare_over_raw_cpu']:.2f} |",
+        ]
+    if "loader" in out:
+        ld, tr = out["loader"], out["train_step"]
+        how = (
+            "assumed (--assume-train-tps)"
+            if tr.get("assumed")
+            else f"measured: micro batch {tr['micro_batch']} x {tr['seq_len']}, median "
+            f"{tr['step_seconds']:.3f} s per step"
+        )
+        lines += [
+            "",
+            "ShardLoader over the train split (input positions per second, median of "
+            f"{len(ld['runs'])} runs; first batch {ld['first_batch_seconds'] * 1e3:.0f} ms) against what one "
+            f"tiny-model training step consumes ({how}):",
+            "",
+            "| loader tokens/s | training step tokens/s | loader / training |",
+            "|---|---|---|",
+            f"| {ld['tokens_per_s']:,.0f} | {tr['tokens_per_s']:,.0f} | {out['loader_over_train']:,.0f}x |",
+        ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

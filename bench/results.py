@@ -1,7 +1,8 @@
 """Result files under docs/results/<name>/: the figures a command measured plus where they came from.
 
 Every result carries its provenance (the commit and whether the tree was dirty, the machine, the command,
-the date), so a figure copied into the README can be traced to the code and machine that produced it.
+the date, the load average at its start and end), so a figure copied into the README can be traced to the
+code and machine that produced it, and to how busy that machine was.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.provenance import cpu_model, provenance, provenance_md
+from pipeline.provenance import cpu_model, finish_provenance, provenance, provenance_md
 
-__all__ = ["RESULTS_DIR", "cpu_model", "provenance", "provenance_md", "write_result"]
+__all__ = ["RESULTS_DIR", "cpu_model", "finish_provenance", "provenance", "provenance_md", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 

@@ -14,6 +14,10 @@ torch's fused scaled_dot_product_attention instead of the shared chunked path.
 --dtype bf16 runs forward and loss under bf16 autocast (fp32 weights and optimizer); --peak-tflops sets the
 MFU denominator: "measured" (a matmul in --dtype on this device), "auto" (the datasheet's dense peak of a
 known GPU: H100 SXM / H200 989 TFLOP/s bf16, else measured) or a number.
+
+Writes docs/results/train_step/result.{json,md} (the tiny preset on CPU; other presets and devices:
+train_step_<preset>_<device>; or --result-dir) with the commit, machine, command and load average;
+--no-result writes none.
 """
 
 from __future__ import annotations
@@ -107,8 +111,13 @@ def main() -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16: autocast forward + loss")
     p.add_argument("--peak-tflops", default="measured", help="MFU denominator: measured, auto or a number")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--result-dir", type=Path, default=None, help="default docs/results/train_step")
+    p.add_argument("--no-result", action="store_true", help="write no result file")
     args = p.parse_args()
     apply_preset(args)
+    from bench.results import finish_provenance, provenance, write_result
+
+    prov = provenance()
 
     kinds = args.kinds.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() and args.impl in ("triton", "auto") else "cpu")
@@ -183,7 +192,63 @@ def main() -> int:
         args.out.write_text(
             json.dumps({"args": vars(args) | {"out": str(args.out)}, **meta, "rows": rows}, indent=1)
         )
+    if not args.no_result:
+        finish_provenance(prov)
+        name = (
+            "train_step"
+            if (args.preset, device.type) == ("tiny", "cpu")
+            else f"train_step_{args.preset}_{device.type}"
+        )
+        setup = {
+            "preset": args.preset,
+            "n_params": n_params,
+            "n_layer": args.n_layer,
+            "d_model": args.d_model,
+            "n_head": args.n_head,
+            "vocab": args.vocab,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "dtype": args.dtype,
+            "impl": args.impl,
+            "block_size": args.block_size,
+            "device": dev_name,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "peak_tflops": peak / 1e12,
+            "peak_source": peak_source,
+        }
+        data = {**setup, "rows": rows, "provenance": prov}
+        out = write_result(name, data, result_markdown(setup, rows, prov), args.result_dir)
+        print(f"wrote {out}/result.json and result.md")
     return 0
+
+
+def result_markdown(setup: dict, rows: dict, prov: dict) -> str:
+    """The result file's markdown: step time, tokens/s, MFU and the ratio to softmax per kind."""
+    from bench.results import provenance_md
+
+    s = setup
+    lines = [
+        f"# Training step, {s['preset']} model: fpa, fox and softmax side by side",
+        "",
+        provenance_md(prov),
+        "",
+        f"{s['n_params'] / 1e6:.1f}M parameters ({s['n_layer']} layers, d={s['d_model']}, "
+        f"{s['n_head']} heads, vocab {s['vocab']}), batch {s['batch']} x {s['seq_len']} tokens, "
+        f"{s['dtype']}, attention impl "
+        f"{s['impl']} (block {s['block_size']}), {s['device']}; forward, backward and AdamW step; median of "
+        f"{s['steps']} steps per kind after {s['warmup']} warm-up, kinds interleaved. MFU against "
+        f"{s['peak_tflops']:.3g} TFLOP/s ({s['peak_source']}, in the same process).",
+        "",
+        "| kind | step s | tokens/s | MFU | step time / softmax |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, r in rows.items():
+        lines.append(
+            f"| {kind} | {r['median_step_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+            f"{r['time_ratio_vs_softmax']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,13 @@
-"""Where a measured figure came from: the commit (and whether the tree was dirty), the machine, the command
-and the date. Result files under docs/results/ and a sweep's collected table carry it."""
+"""Where a measured figure came from: the commit (and whether the tree was dirty), the machine, the command,
+the date and the machine's load around the measurement. Result files under docs/results/ and a sweep's
+collected table carry it.
+
+    prov = provenance()          # at the start of a measurement: load average now
+    ...                          # measure
+    finish_provenance(prov)      # at its end: load average then (shown in provenance_md's header line)
+
+The load average matters on a shared machine: a benchmark that ran beside other jobs says so.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +35,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages of the machine (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def provenance(argv: list[str] | None = None, program: str = "python") -> dict[str, Any]:
     """Commit, machine and command of the measurement being made now (argv: sys.argv when None)."""
     git = git_info()
@@ -43,15 +59,32 @@ def provenance(argv: list[str] | None = None, program: str = "python") -> dict[s
             "python": platform.python_version(),
             "torch": torch.__version__,
         },
+        "load_average": {"start": load_average(), "end": None},
     }
 
 
+def finish_provenance(prov: dict[str, Any]) -> dict[str, Any]:
+    """Record the load average at the end of the measurement that `prov` (from provenance()) started."""
+    prov.setdefault("load_average", {"start": None})["end"] = load_average()
+    return prov
+
+
+def _load_md(prov: dict[str, Any]) -> str:
+    """'; load average 2.10 at start, 2.40 at end (1 min)' once the end is recorded, else ''."""
+    load = prov.get("load_average") or {}
+    start, end = load.get("start"), load.get("end")
+    if not start or not end:
+        return ""
+    return f"; load average {start[0]:.2f} at start, {end[0]:.2f} at end (1 min)"
+
+
 def provenance_md(prov: dict[str, Any]) -> str:
-    """Two lines for the top of a result's markdown: the command, and the commit and machine."""
+    """Two lines for the top of a result's markdown: the command, and the commit and machine (and the load
+    average at the start and end of the measurement, once finish_provenance recorded the end)."""
     m = prov["machine"]
     commit = (prov["commit"] or "unknown")[:10] + (" (dirty tree)" if prov.get("dirty") else "")
     return (
         f"Command: `{prov['command']}`  \n"
         f"Commit {commit}, {prov['date']}; {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
-        f"({m['torch_threads']} threads)."
+        f"({m['torch_threads']} threads){_load_md(prov)}."
     )

@@ -1,0 +1,119 @@
+"""The benches' result files: provenance with the load average, and each bench's markdown from its figures
+(synthetic figures here: no measurement runs)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.results import finish_provenance, provenance, provenance_md, write_result  # noqa: E402
+
+
+def _bench(name: str) -> ModuleType:
+    """Import bench/<name>.py without keeping the OMP_NUM_THREADS it may set for its own runs."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    try:
+        return importlib.import_module(f"bench.{name}")
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def _prov() -> dict:
+    return finish_provenance(provenance(["bench/x.py", "--flag"]))
+
+
+def test_provenance_records_the_load_average_at_start_and_end(tmp_path: Path) -> None:
+    prov = provenance(["bench/x.py"])
+    assert len(prov["load_average"]["start"]) == 3 and prov["load_average"]["end"] is None
+    assert "load average" not in provenance_md(prov)  # no end recorded: no claim about the run's load
+    finish_provenance(prov)
+    start, end = prov["load_average"]["start"][0], prov["load_average"]["end"][0]
+    md = provenance_md(prov)
+    assert f"load average {start:.2f} at start, {end:.2f} at end" in md
+    assert md.startswith("Command: `python bench/x.py`")
+    out = write_result("x", {"provenance": prov}, "# X\n\n" + md, tmp_path / "x")
+    assert json.loads((out / "result.json").read_text())["provenance"]["load_average"]["end"] is not None
+    # a result written before the load average was recorded still renders
+    old = {k: v for k, v in prov.items() if k != "load_average"}
+    assert "load average" not in provenance_md(old)
+
+
+def test_attention_markdown() -> None:
+    att = _bench("attention")
+    lengths = [512, 2048]
+    res = {}
+    for t in lengths:
+        for name, (ms, mb) in zip(att.CONTENDERS, [(30, 20), (24, 22), (20, 5)]):
+            res[(name, t)] = {
+                "wall_ms": ms * t / 512,
+                "cpu_ms": ms * t / 512,
+                "repeats": 5,
+                "peak_mb": mb * t / 512,
+            }
+            res[(name, t)]["ratio_wall"] = res[(name, t)]["ratio_cpu"] = ms / 20
+    args = argparse.Namespace(heads=8, head_dim=64, block_size=256, no_memory=False)
+    md = att.result_markdown(res, lengths, args, _prov())
+    assert "| 2048 | 1.50x | 1.20x | 1.50x | 1.20x | 120 / 96 / 80 | 80 / 88 / 20 |" in md
+    assert "- fpa-chunked: T x4 -> memory x4.0; 4.0, 4.0 x SDPA's peak" in md
+
+
+def test_train_markdown() -> None:
+    train = _bench("train")
+    setup = {
+        "preset": "tiny", "n_params": 1.5e6, "n_layer": 2, "d_model": 128, "n_head": 4, "vocab": 8192,
+        "batch": 8, "seq_len": 256, "dtype": "fp32", "impl": "chunked", "block_size": 128, "device": "cpu",
+        "steps": 10, "warmup": 2, "peak_tflops": 0.05, "peak_source": "measured",
+    }  # fmt: skip
+    rows = {
+        k: {"median_step_s": s, "tokens_per_s": 2048 / s, "mfu": 0.3, "time_ratio_vs_softmax": s / 0.4}
+        for k, s in (("fpa", 0.42), ("softmax", 0.4))
+    }
+    md = train.result_markdown(setup, rows, _prov())
+    assert "| fpa | 0.4200 | 4,876 | 30.0% | 1.05x |" in md and "median of 10 steps" in md
+
+
+def test_data_markdown() -> None:
+    data = _bench("data")
+    out = {
+        "prepare": {
+            "documents": 1189, "tokens": 2_900_000, "raw_tokens": 1_040_000, "extra_validation": ["wiki"],
+            "end_to_end_seconds": 5.0, "tokenizer_train_seconds": 1.0, "raw_encode_batch_tokens_per_s": 1e6,
+            "prepare_tokens_per_s": 0.8e6, "prepare_over_raw": 0.8, "prepare_over_raw_paired_median": 0.81,
+            "prepare_over_raw_cpu": 0.9, "raw_runs": [1e6] * 3, "prepare_runs": [0.8e6] * 3,
+        },
+        "loader": {"first_batch_seconds": 0.05, "tokens_per_s": 1e8, "runs": [1e8] * 3},
+        "train_step": {"step_seconds": 0.4, "tokens_per_s": 5120.0, "micro_batch": 8, "seq_len": 256},
+        "loader_over_train": 1e8 / 5120,
+    }  # fmt: skip
+    md = data.data_markdown(out, _prov())
+    assert "| 0.80 | 1.00 | 0.80 | 0.81 | 0.90 |" in md
+    assert "| 100,000,000 | 5,120 | 19,531x |" in md
+    assert "extra validation splits wiki" in md
+    assert set(data.RESULT_GROUPS["data"]) == {"prepare", "loader"}
+
+
+def test_context_parallel_markdown() -> None:
+    cp = _bench("context_parallel")
+    rows = [
+        {
+            "T": 2048, "variant": v, "single_wall_s": 1.0, "single_cpu_s": 1.0, "single_peak_mb": 100.0,
+            "ranks_wall_s": r, "ranks_cpu_s": r, "ranks_peak_mb": [60.0, 70.0], "wall_ratio": r,
+            "cpu_ratio": r, "memory_ratio": 0.7,
+        }
+        for v, r in (("zigzag", 0.6), ("contiguous", 0.9))
+    ]  # fmt: skip
+    setup = {"kind": "fpa", "batch": 1, "heads": 4, "dim": 64, "block": 64, "repeats": 3}
+    md = cp.result_markdown(setup, rows, _prov())
+    assert "| T | zigzag ring time / mem | contiguous ring time / mem |" in md
+    assert "| 2048 | 0.60 / 0.70 | 0.90 / 0.70 |" in md
