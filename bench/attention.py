@@ -184,15 +184,20 @@ def result_markdown(res: dict, lengths: list[int], args: argparse.Namespace, pro
     from bench.results import provenance_md
 
     mem = not args.no_memory
-    reps = sorted({res[(n, t)]["repeats"] for n in CONTENDERS for t in lengths})
+    reps = {t: res[("sdpa", t)]["repeats"] for t in lengths}
+    runs = (
+        ", ".join(f"{r} at T={t}" for t, r in reps.items())
+        if len(set(reps.values())) > 1
+        else f"{reps[lengths[0]]} each"
+    )
     lines = [
         "# Attention, forward + backward: chunked FPA and FoX against SDPA",
         "",
         provenance_md(prov),
         "",
         f"fp32, B=1, H={args.heads}, D={args.head_dim}, chunked block {args.block_size}, "
-        f"{prov['machine']['torch_threads']} thread(s); time: median of {'/'.join(map(str, reps))} runs "
-        "per contender (interleaved, after a warm-up), as wall time and as process CPU time"
+        f"threads: {prov['machine']['torch_threads']}; time: median over runs per contender ({runs}; "
+        "interleaved, after a warm-up), as wall time and as process CPU time"
         + ("; peak MB: peak RSS increase of a fresh process over one forward + backward." if mem else "."),
         "",
         "| T | FPA / SDPA wall | FoX / SDPA wall | FPA / SDPA CPU | FoX / SDPA CPU | wall ms FPA / FoX / SDPA"
@@ -216,7 +221,9 @@ def result_markdown(res: dict, lengths: list[int], args: argparse.Namespace, pro
             if name != "sdpa":
                 sdpa = [max(res[("sdpa", t)]["peak_mb"], 1e-9) for t in lengths]
                 of_sdpa = [res[(name, t)]["peak_mb"] / m for t, m in zip(lengths, sdpa)]
-                txt += "; " + ", ".join(f"{r:.1f}" for r in of_sdpa) + " x SDPA's peak"
+                txt += "; of SDPA's peak: " + ", ".join(
+                    f"x{r:.1f} at T={t}" for t, r in zip(lengths, of_sdpa)
+                )
             lines.append(f"- {name}: {txt}")
     return "\n".join(lines)
 

@@ -237,8 +237,8 @@ def result_markdown(setup: dict, rows: dict, prov: dict) -> str:
         f"{s['n_head']} heads, vocab {s['vocab']}), batch {s['batch']} x {s['seq_len']} tokens, "
         f"{s['dtype']}, attention impl "
         f"{s['impl']} (block {s['block_size']}), {s['device']}; forward, backward and AdamW step; median of "
-        f"{s['steps']} steps per kind after {s['warmup']} warm-up, kinds interleaved. MFU against "
-        f"{s['peak_tflops']:.3g} TFLOP/s ({s['peak_source']}, in the same process).",
+        f"{s['steps']} steps per kind after {s['warmup']} warm-up, kinds interleaved. MFU: against a peak of "
+        f"{s['peak_tflops']:.3g} TFLOP/s, {s['peak_source']} in the same process.",
         "",
         "| kind | step s | tokens/s | MFU | step time / softmax |",
         "|---|---|---|---|---|",

@@ -65,7 +65,8 @@ def test_attention_markdown() -> None:
     args = argparse.Namespace(heads=8, head_dim=64, block_size=256, no_memory=False)
     md = att.result_markdown(res, lengths, args, _prov())
     assert "| 2048 | 1.50x | 1.20x | 1.50x | 1.20x | 120 / 96 / 80 | 80 / 88 / 20 |" in md
-    assert "- fpa-chunked: T x4 -> memory x4.0; 4.0, 4.0 x SDPA's peak" in md
+    assert "- fpa-chunked: T x4 -> memory x4.0; of SDPA's peak: x4.0 at T=512, x4.0 at T=2048" in md
+    assert "median over runs per contender (5 each;" in md
 
 
 def test_train_markdown() -> None:
