@@ -74,10 +74,11 @@ class PasskeyBatches:
 
     A batch is a pure function of (seed, step, data-parallel rank, micro step), so a resumed run draws the
     same ones and the ranks of a sequence-parallel group (one dp rank) hold the same sequences. The prompt
-    length is drawn per step (the same on every rank, so DeepSpeed sees one shape per step).
+    length is drawn per step (the same on every rank, so DeepSpeed sees one shape per step), up to a bound
+    that ramps from min_len to max_len over the phase's first train.passkey.ramp_steps steps.
     """
 
-    def __init__(self, cfg: RunConfig, d: Derived, dp_rank: int) -> None:
+    def __init__(self, cfg: RunConfig, d: Derived, dp_rank: int, start: int = 0) -> None:
         from data_prep.index import load_index
         from data_prep.tokenizer import load_tokenizer
 
@@ -86,12 +87,22 @@ class PasskeyBatches:
         self.lo, self.hi, self.multiple = d.passkey_lengths
         self.n, self.digits = cfg.train.passkey.batch or d.micro_batch, cfg.train.passkey.digits
         self.seed, self.dp_rank = cfg.seed, dp_rank
+        self.start, self.ramp = start, cfg.train.passkey.ramp_steps  # start: the phase's first step
+
+    def max_length(self, step: int) -> int:
+        """The longest prompt length allowed at optimizer step `step` (the ramp; then max_len)."""
+        if self.ramp <= 0 or step - self.start >= self.ramp:
+            return self.hi
+        frac = max(0, step - self.start + 1) / self.ramp
+        return max(self.lo, int(self.lo + frac * (self.hi - self.lo)))
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         from data_prep.passkey import answer_rows
 
-        m = self.multiple
-        length = m * random.Random(f"passkey:{self.seed}:{step}").randint(-(-self.lo // m), self.hi // m)
+        m, hi = self.multiple, self.max_length(step)
+        # The smallest multiple of m >= lo always fits: derive() checks one exists in [min_len, max_len].
+        top = max(hi // m, -(-self.lo // m))
+        length = m * random.Random(f"passkey:{self.seed}:{step}").randint(-(-self.lo // m), top)
         rng = random.Random(f"passkey:{self.seed}:{step}:{self.dp_rank}:{micro}")
         x, y = answer_rows(
             self.tokenizer, self.n, length, digits=self.digits, rng=rng, prefix_ids=self.prefix

@@ -81,8 +81,15 @@ class PasskeyTrainConfig:
     digits: int = 5  # digits of the training keys (eval.passkey.digits is what the grid asks for)
     min_len: int = 64  # prompt length per step: uniform over the multiples of 16 in [min_len, max_len]
     max_len: int | None = None  # None: data.seq_len
+    # Short prompts first: over the phase's first ramp_steps steps the longest prompt grows linearly from
+    # min_len to max_len (0: the full range from the start). A needle a few dozen tokens back is still
+    # visible through a freshly initialized field's decay, so the copy is found sooner; the long prompts
+    # that follow teach it at the training length (and hence beyond).
+    ramp_steps: int = 0
 
     def __post_init__(self) -> None:
+        if self.ramp_steps < 0:
+            raise ValueError(f"train.passkey.ramp_steps must be >= 0; got {self.ramp_steps}")
         if self.steps < 0:
             raise ValueError(f"train.passkey.steps must be >= 0; got {self.steps}")
         if self.batch is not None and self.batch < 1:

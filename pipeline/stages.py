@@ -88,9 +88,15 @@ def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "loss_chunk_tokens",
     ):
         train.pop(volatile, None)
+    model = _asdict(cfg.model)
+    # Keys added after runs existed, left out at their defaults: a run trained before them is still done.
+    if not model["attention"].get("kv_shift", False):
+        model["attention"].pop("kv_shift", None)
+    if isinstance(train.get("passkey"), dict) and not train["passkey"].get("ramp_steps", 0):
+        train["passkey"].pop("ramp_steps", None)
     index = cfg.data_dir / "index.json"
     return {
-        "model": _asdict(cfg.model),
+        "model": model,
         "train": train,
         "global_batch": derive(cfg, world_size).global_batch,
         "seed": cfg.seed,

@@ -180,10 +180,11 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
     loader = make_loader(cfg, "train", dp_rank, dp_world)
     if loader_state is not None:
         loader.load_state_dict(loader_state)
+    pk_start = max(0, tc.max_steps - tc.passkey.steps)  # the passkey phase: the last steps
     batches = StepBatches(
         loader,
-        passkey=PasskeyBatches(cfg, d, dp_rank) if tc.passkey.steps else None,
-        passkey_start=max(0, tc.max_steps - tc.passkey.steps),  # the passkey phase: the last steps
+        passkey=PasskeyBatches(cfg, d, dp_rank, start=pk_start) if tc.passkey.steps else None,
+        passkey_start=pk_start,
     )
     peak = tc.peak_flops_per_rank or measure_peak_flops(
         device, torch.bfloat16 if d.precision == "bf16" and device.type == "cuda" else torch.float32

@@ -76,3 +76,14 @@ def test_fingerprints_follow_what_each_stage_reads(tmp_path: Path) -> None:
     # ... while the same global batch on twice the ranks is the same run (resume on another world size)
     assert train_inputs(base, 1) == train_inputs(_cfg(tmp_path, "train.micro_batch=4"), 2)
     assert eval_inputs(base, None) != eval_inputs(_cfg(tmp_path, "eval.passkey.trials=1"), None)
+
+
+def test_keys_added_later_leave_an_older_runs_fingerprint_alone(tmp_path):
+    """kv_shift and passkey.ramp_steps at their defaults are not in the train fingerprint (a run trained
+    before they existed is still done); set, they are (the run trains again)."""
+    base = train_inputs(_cfg(tmp_path), 1)
+    assert "kv_shift" not in base["model"]["attention"]
+    assert "ramp_steps" not in base["train"]["passkey"]
+    assert base == train_inputs(_cfg(tmp_path, "model.attention.kv_shift=false"), 1)
+    assert base != train_inputs(_cfg(tmp_path, "model.attention.kv_shift=true"), 1)
+    assert base != train_inputs(_cfg(tmp_path, "train.passkey.ramp_steps=10"), 1)

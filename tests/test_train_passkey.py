@@ -148,3 +148,26 @@ def test_phase_bounds_are_checked_with_the_key_named():
         derive(cfg)
     with pytest.raises(ConfigError, match="train.passkey.weight must be > 0"):
         load_config([], ["train.passkey.weight=0"])
+
+
+def test_ramp_grows_the_longest_prompt_from_min_len_to_max_len(data_dir, tmp_path):
+    """train.passkey.ramp_steps: the longest prompt grows linearly over the phase's first steps (the phase
+    starts at max_steps - steps), each drawn length stays a multiple in [min_len, bound], then max_len."""
+    from pipeline.batches import PasskeyBatches
+    from pipeline.config import derive, load_config
+
+    over = ["train.max_steps=30", "train.passkey.steps=20", "train.passkey.min_len=64"]
+    over += ["train.passkey.max_len=160", "train.passkey.ramp_steps=8", "train.passkey.batch=2"]
+    cfg = load_config([], [*over, f"data.out_dir={data_dir}", f"runs_dir={tmp_path}"])
+    pk = PasskeyBatches(cfg, derive(cfg), 0, start=10)
+    bounds = [pk.max_length(s) for s in range(10, 30)]
+    assert bounds[0] == 64 + (160 - 64) // 8 and bounds[7:] == [160] * 13
+    assert bounds == sorted(bounds)
+    for s in range(10, 30):
+        x, _ = pk.batch(s, 0)
+        assert x.shape[1] <= pk.max_length(s) and x.shape[1] % 16 == 0 and x.shape[1] >= 64, (s, x.shape)
+    lengths = {pk.batch(s, 0)[0].shape[1] for s in range(18, 30)}
+    assert max(lengths) > 112  # after the ramp, long prompts are drawn again
+    no_ramp_cfg = load_config([], [*over[:-2], "train.passkey.batch=2", f"data.out_dir={data_dir}"])
+    no_ramp = PasskeyBatches(no_ramp_cfg, derive(cfg), 0, start=10)
+    assert no_ramp.max_length(10) == 160
