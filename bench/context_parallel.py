@@ -216,7 +216,8 @@ VARIANT_NAMES = {"zigzag": "zigzag ring", "contiguous": "contiguous ring", "ulys
 
 
 def result_markdown(setup: dict, rows: list[dict], prov: dict) -> str:
-    """The result's markdown: per T and variant, 2 ranks over 1 process as ratios, then the raw figures."""
+    """The result's markdown: per T and variant, 2 ranks over 1 process as ratios (## Ratios, what the README
+    copies), then the seconds and MB they come from (## Seconds and MB)."""
     from bench.results import provenance_md
 
     s = setup
@@ -225,6 +226,8 @@ def result_markdown(setup: dict, rows: list[dict], prov: dict) -> str:
     by = {(r["T"], r["variant"]): r for r in rows}
     lines = [
         "# Sequence parallel attention: 2 ranks against one process",
+        "",
+        "## Ratios",
         "",
         provenance_md(prov),
         "",
@@ -241,7 +244,9 @@ def result_markdown(setup: dict, rows: list[dict], prov: dict) -> str:
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "The figures (seconds: median step; MB: peak extra memory per process):",
+        "## Seconds and MB",
+        "",
+        "The median step (wall and CPU time of the busiest rank) and the peak extra memory per process:",
         "",
         "| T | variant | 1 process wall / CPU s | 2 ranks wall / CPU s | wall ratio | 1 process MB "
         "| rank MB |",

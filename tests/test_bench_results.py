@@ -118,3 +118,5 @@ def test_context_parallel_markdown() -> None:
     md = cp.result_markdown(setup, rows, _prov())
     assert "| T | zigzag ring time / mem | contiguous ring time / mem |" in md
     assert "| 2048 | 0.60 / 0.70 | 0.90 / 0.70 |" in md
+    ratios, figures = md.split("## Ratios\n")[1].split("## Seconds and MB\n")
+    assert "Command: `python bench/x.py --flag`" in ratios and "| 2048 | zigzag |" in figures
