@@ -468,13 +468,13 @@ def test_collect_sweep_table_csv_plot_and_seed_means(tmp_path: Path) -> None:
     rows = (out / "results.csv").read_text().splitlines()
     assert rows[0] == (
         "run,kind,seed,final_val_loss,ppl_train_len,ppl_longest,passkey_accuracy,"
-        "passkey_accuracy_compressed,cache_fraction,status"
+        "passkey_accuracy_compressed,passkey_longest,cache_fraction,status"
     )
-    assert rows[1] == "abl.kind-fpa.seed-1,fpa,1,2.0,20.0,30.0,1.0,0.5,0.25,ok"
-    assert rows[4] == "abl.kind-softmax.seed-2,softmax,2,,,,,,,unreadable"
+    assert rows[1] == "abl.kind-fpa.seed-1,fpa,1,2.0,20.0,30.0,1.0,0.5,,0.25,ok"  # no per-length accuracy
+    assert rows[4] == "abl.kind-softmax.seed-2,softmax,2,,,,,,,,unreadable"
 
     md = (out / "results.md").read_text()
-    assert "| abl.kind-softmax.seed-2 | softmax | 2 | - | - | - | - | - | - | unreadable |" in md
+    assert "| abl.kind-softmax.seed-2 | softmax | 2 | - | - | - | - | - | - | - | unreadable |" in md
     # Seeds averaged: fpa loss (2 + 4) / 2 = 3 ± sqrt(2); softmax has one readable seed.
     assert "| fpa | 3 ± 1.4 (n=2) |" in md and "| softmax | 3 (n=1) |" in md
     assert "## Details" in md and "Passkey accuracy by length" not in md  # no per-length data given
@@ -537,7 +537,7 @@ def test_collect_with_no_reports_still_writes_everything(tmp_path: Path) -> None
     assert "4 runs, 0 with an eval report" in md and md.count("| missing |") == 4
     assert "## Details" not in md
     assert (out / "results.png").stat().st_size > 0
-    assert re.search(r"abl.kind-fpa.seed-1,fpa,1,,,,,,,missing", (out / "results.csv").read_text())
+    assert re.search(r"abl.kind-fpa.seed-1,fpa,1,,,,,,,,missing", (out / "results.csv").read_text())
     assert os.access(out / "results.csv", os.R_OK)
 
 
@@ -555,3 +555,20 @@ def test_shipped_sweeps_expand_and_render(name: str, tmp_path: Path, monkeypatch
         subprocess.run(["bash", "-n", str(script)], check=True)
     assert "--array=0-8" in (out / "train-array.sbatch").read_text()
     capsys.readouterr()
+
+
+def test_collect_reports_the_passkey_accuracy_at_the_longest_length(tmp_path: Path) -> None:
+    """passkey_longest: the full-cache accuracy at the longest length evaluated (8x by default), per run and
+    as a mean over seeds, beside the grid mean passkey_accuracy."""
+    sweep = write_sweep(tmp_path, SWEEP)
+    runs = expand_sweep(sweep)
+    for run, at_8x in zip(runs, [0.32, 1.0]):
+        rep = _report("fpa", 2.0, 0.9, 0.5)
+        rep["passkey_accuracy_per_length"] = {"256": 1.0, "2048": at_8x, "512": 0.5}
+        (run.run_dir / "eval").mkdir(parents=True)
+        (run.run_dir / "eval" / "report.json").write_text(json.dumps(rep))
+    out = collect_sweep(sweep)
+    rows = (out / "results.csv").read_text().splitlines()
+    col = rows[0].split(",").index("passkey_longest")
+    assert [r.split(",")[col] for r in rows[1:3]] == ["0.32", "1.0"]
+    assert "0.66 ± 0.48 (n=2)" in (out / "results.md").read_text()

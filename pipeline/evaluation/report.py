@@ -344,6 +344,7 @@ METRICS = (
     "ppl_longest",  # ... at the longest length evaluated
     "passkey_accuracy",  # full KV cache
     "passkey_accuracy_compressed",  # with FPA/FoX eviction
+    "passkey_longest",  # full KV cache, at the longest length evaluated (8x the training length by default)
     "cache_fraction",  # kept keys / tokens seen with eviction
 )
 
@@ -414,6 +415,7 @@ def report_metrics(report: dict[str, Any] | None) -> dict[str, float | None]:
     if report is None:
         return dict.fromkeys(METRICS)
     ppl = _by_length(report.get("perplexity"))
+    by_len = _by_length(report.get("passkey_accuracy_per_length"))
     seq_len = report.get("seq_len")
     return {
         "final_val_loss": _number(report.get("final_val_loss")),
@@ -421,6 +423,7 @@ def report_metrics(report: dict[str, Any] | None) -> dict[str, float | None]:
         "ppl_longest": ppl[max(ppl)] if ppl else None,
         "passkey_accuracy": _passkey(report.get("passkey_accuracy", report.get("passkey"))),
         "passkey_accuracy_compressed": _passkey(report.get("passkey_accuracy_compressed")),
+        "passkey_longest": by_len[max(by_len)] if by_len else None,
         "cache_fraction": _number(report.get("cache_fraction")),
     }
 
