@@ -30,6 +30,7 @@ RECIPE = {  # column: dotted config key
     "lr": "train.lr",
     "prompts": "train.passkey.max_len",
     "ramp": "train.passkey.ramp_steps",
+    "tile": "model.attention.block_size",  # the chunked path's tile: changes float rounding only
 }
 
 

@@ -18,7 +18,8 @@ from bench import passkey_trials as pt  # noqa: E402
 def _run(tmp: Path, losses: list[float], report: dict | None) -> Path:
     run = tmp / "trial.s3"
     run.mkdir()
-    cfg = {"seed": 3, "model": {"attention": {"kv_shift": True, "qk_norm": False}}, "data": {"seq_len": 256}}
+    cfg = {"seed": 3, "model": {"attention": {"kv_shift": True, "qk_norm": False, "block_size": 64}}}
+    cfg["data"] = {"seq_len": 256}
     cfg["train"] = {"max_steps": len(losses), "lr": 0.003, "passkey": {"min_len": 64, "max_len": None}}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     lines = [json.dumps({"step": i + 1, "loss": 5.0, "passkey_loss": v}) for i, v in enumerate(losses)]
