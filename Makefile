@@ -36,8 +36,8 @@ $(STAMP_TEST): $(STAMP)
 	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[dev,hf]'
 	touch $@
 
-# The demo's training step runs 1.75x faster on 2 threads than on 1 (2-core machine); more threads do not pay
-# for a model this small. `make demo DEMO_THREADS=1` for the thread count the sweeps in docs/results used.
+# The demo's training step runs 1.75x faster on 2 threads than on 1 on a 2-core machine (more were not
+# measured). `make demo DEMO_THREADS=1` for the thread count the sweeps in docs/results used.
 DEMO_THREADS ?= 2
 demo: $(STAMP)
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(VENV)/bin/fpa run configs/tiny.yaml
