@@ -15,6 +15,7 @@ import math
 import os
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -192,7 +193,6 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     from fpa_model.config import AttentionConfig, ModelConfig
     from fpa_model.context_parallel import SequenceParallel
     from fpa_model.model import GPT
-    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
 
     out: dict[str, dict[str, float]] = {}
     block_impls: list[str] = []
@@ -210,28 +210,39 @@ def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
         cfg = ModelConfig(vocab_size=61, n_layer=2, n_head=2, d_model=32, max_seq_len=64, attention=att)
         torch.manual_seed(0)
         sp_model = GPT(cfg)
-        ref_model = copy.deepcopy(sp_model)
         tokens = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(1))
-        ref_loss = F.cross_entropy(ref_model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
-        ref_loss.backward()
-
-        assert sp_model.set_sequence_parallel(SequenceParallel(dist.group.WORLD, mode=mode)) == cfg.n_layer
-        x, y = shard_batch(tokens, rank, world)
-        loss = sequence_parallel_cross_entropy(sp_model(x), y, dist.group.WORLD)
-        loss.backward()
-        errs = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
-        ref_params = dict(ref_model.named_parameters())
-        for name, p in sp_model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)  # the group's per-rank shares sum to the full gradient
-            r = ref_params[name].grad
-            errs[name] = float((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12))
+        sp = SequenceParallel(dist.group.WORLD, mode=mode)
+        errs = _sp_step_errors(sp_model, sp, tokens, rank, world, n_layer=cfg.n_layer)
         if mode == "ring":  # 0 when every ring call ran on the blocks the layer's impl asks for
             want = "triton" if impl == "triton" else "chunked"
             errs["ring_blocks"] = 0.0 if block_impls and set(block_impls) == {want} else math.inf
         out[f"{kind}-{field}-{mode}-{impl}"] = errs
     cp._block_fns = block_fns
     return out
+
+
+def _sp_step_errors(
+    sp_model: Any, sp: Any, tokens: torch.Tensor, rank: int, world: int, n_layer: int
+) -> dict:
+    """One LM step of sp_model across the group vs a 1-rank copy of it: relative error of the loss and of
+    every parameter gradient (the ranks' shares summed)."""
+    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
+
+    ref_model = copy.deepcopy(sp_model)
+    ref_loss = F.cross_entropy(ref_model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    ref_loss.backward()
+    assert sp_model.set_sequence_parallel(sp) == n_layer
+    x, y = shard_batch(tokens, rank, world, layout=sp.layout)
+    loss = sequence_parallel_cross_entropy(sp_model(x), y, dist.group.WORLD)
+    loss.backward()
+    errs = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in sp_model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)  # the group's per-rank shares sum to the full gradient
+        r = ref_params[name].grad
+        errs[name] = float((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12))
+    return errs
 
 
 # The key/value shift across ranks: each chunk's first token mixes in the raw k, v of the token before it,
@@ -250,7 +261,6 @@ def _gpt_kv_shift_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     from fpa_model.config import AttentionConfig, ModelConfig
     from fpa_model.context_parallel import SequenceParallel
     from fpa_model.model import GPT
-    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
 
     out: dict[str, dict[str, float]] = {}
     for layout, mode, extra in KV_SHIFT_CASES:
@@ -262,22 +272,9 @@ def _gpt_kv_shift_step(rank: int, world: int) -> dict[str, dict[str, float]]:
             for blk in sp_model.blocks:
                 blk.attn.shift_proj.weight.normal_(0, 0.5)
                 blk.attn.shift_proj.bias.uniform_(-2.0, 2.0)
-        ref_model = copy.deepcopy(sp_model)
         tokens = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(2))
-        ref_loss = F.cross_entropy(ref_model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
-        ref_loss.backward()
-        sp_model.set_sequence_parallel(SequenceParallel(dist.group.WORLD, layout=layout, mode=mode))
-        x, y = shard_batch(tokens, rank, world, layout=layout)
-        loss = sequence_parallel_cross_entropy(sp_model(x), y, dist.group.WORLD)
-        loss.backward()
-        errs = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
-        ref_params = dict(ref_model.named_parameters())
-        for name, p in sp_model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)  # the group's per-rank shares sum to the full gradient
-            r = ref_params[name].grad
-            errs[name] = float((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-12))
-        out[f"{layout}-{mode}"] = errs
+        sp = SequenceParallel(dist.group.WORLD, layout=layout, mode=mode)
+        out[f"{layout}-{mode}"] = _sp_step_errors(sp_model, sp, tokens, rank, world, n_layer=cfg.n_layer)
     return out
 
 
