@@ -195,7 +195,8 @@ echo "$n"
 """
 
 
-def test_launch_slurm_runs_prepare_as_an_array_then_merge_then_train(tmp_path: Path, monkeypatch) -> None:
+def _stub_sbatch(tmp_path: Path, monkeypatch) -> Path:
+    """An sbatch on PATH that records its arguments and answers job ids 101, 102, ...; the record file."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.txt"
@@ -203,6 +204,11 @@ def test_launch_slurm_runs_prepare_as_an_array_then_merge_then_train(tmp_path: P
     sbatch.write_text(SBATCH_STUB.format(log=calls))
     sbatch.chmod(sbatch.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    return calls
+
+
+def test_launch_slurm_runs_prepare_as_an_array_then_merge_then_train(tmp_path: Path, monkeypatch) -> None:
+    calls = _stub_sbatch(tmp_path, monkeypatch)
     over = [f"runs_dir={tmp_path}", "name=r", "data.prepare_parts=4"]
     ids = sl.launch_slurm([str(ROOT / "configs" / "tiny.yaml")], over, dry_run=False)
     out = tmp_path / "r" / "slurm"
@@ -226,13 +232,7 @@ def test_launch_slurm_runs_prepare_as_an_array_then_merge_then_train(tmp_path: P
 def test_sweep_prepares_shared_data_in_parts_before_its_training_array(tmp_path: Path, monkeypatch) -> None:
     from launch.sweep import run_sweep
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls.txt"
-    sbatch = bin_dir / "sbatch"
-    sbatch.write_text(SBATCH_STUB.format(log=calls))
-    sbatch.chmod(sbatch.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    calls = _stub_sbatch(tmp_path, monkeypatch)
     sweep = tmp_path / "s.yaml"
     sweep.write_text(
         f"""
