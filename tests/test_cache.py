@@ -151,6 +151,16 @@ def _model(kind: str, field: str = "walk", **attn: object):
     return model
 
 
+def _prefill_then_decode(
+    model, idx: torch.Tensor, prefill_len: int, chunk_size: int, end: int
+) -> tuple[torch.Tensor, KVCache]:
+    """(logits of idx[:, :end], the cache): the first prefill_len tokens prefilled in chunks, then one
+    decode step each."""
+    logits, cache = prefill(model, idx[:, :prefill_len], chunk_size=chunk_size, all_logits=True)
+    steps = [decode_step(model, cache, idx[:, i]) for i in range(prefill_len, end)]
+    return torch.cat([logits, torch.stack(steps, 1)], dim=1), cache
+
+
 @pytest.mark.parametrize(
     "kind,field,extra",
     [
@@ -166,9 +176,7 @@ def test_model_decode_matches_full_forward(kind: str, field: str, extra: dict) -
     model = _model(kind, field, **extra)
     idx = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
     ref = model(idx)
-    logits, cache = prefill(model, idx[:, :25], chunk_size=8, all_logits=True)
-    steps = [decode_step(model, cache, idx[:, i]) for i in range(25, 40)]
-    got = torch.cat([logits, torch.stack(steps, 1)], dim=1)
+    got, cache = _prefill_then_decode(model, idx, prefill_len=25, chunk_size=8, end=40)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert cache.seen == 40
     assert cache.fraction_kept()["overall"] == 1.0
@@ -335,11 +343,8 @@ def test_kv_shift_decode_matches_full_forward(kind: str, field: str, extra: dict
     model = _shift_model(kind, field, **extra)
     idx = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(8))
     ref = model(idx)
-    logits, cache = prefill(model, idx[:, :17], chunk_size=5, all_logits=True)
-    steps = [decode_step(model, cache, idx[:, i]) for i in range(17, 29)]
-    torch.testing.assert_close(
-        torch.cat([logits, torch.stack(steps, 1)], 1), ref[:, :29], atol=1e-5, rtol=1e-5
-    )
+    got, cache = _prefill_then_decode(model, idx, prefill_len=17, chunk_size=5, end=29)
+    torch.testing.assert_close(got, ref[:, :29], atol=1e-5, rtol=1e-5)
     for blk, lc in zip(model.blocks, cache.layers):
         assert lc.kv_prev is not None and lc.kv_prev[0].shape == (2, 2, blk.attn.head_dim)
     torch.testing.assert_close(decode_step(model, cache, idx[:, 29]), ref[:, 29], atol=1e-5, rtol=1e-5)
