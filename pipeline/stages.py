@@ -73,6 +73,23 @@ def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
     return {"data": data, "files": _source_files(cfg)}
 
 
+# Train keys added after runs existed, with their defaults: left out of the fingerprint while they hold
+# them, so a run trained before the key existed is still done.
+LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("model", "attention", "kv_shift"): False,
+    ("train", "passkey", "ramp_steps"): 0,
+}
+
+
+def _drop_later_defaults(inputs: dict[str, Any]) -> None:
+    for *parents, key in LATER_TRAIN_DEFAULTS:
+        node: Any = inputs
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node and node[key] == LATER_TRAIN_DEFAULTS[(*parents, key)]:
+            del node[key]
+
+
 def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     # The global batch, not how it is split (micro batch x accumulation x ranks), defines the run: a job
     # resumed on another number of ranks with the same global batch continues the same training.
@@ -89,11 +106,7 @@ def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     ):
         train.pop(volatile, None)
     model = _asdict(cfg.model)
-    # Keys added after runs existed, left out at their defaults: a run trained before them is still done.
-    if not model["attention"].get("kv_shift", False):
-        model["attention"].pop("kv_shift", None)
-    if isinstance(train.get("passkey"), dict) and not train["passkey"].get("ramp_steps", 0):
-        train["passkey"].pop("ramp_steps", None)
+    _drop_later_defaults({"model": model, "train": train})
     index = cfg.data_dir / "index.json"
     return {
         "model": model,
