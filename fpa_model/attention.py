@@ -147,8 +147,8 @@ class Attention(nn.Module):
         if self.gate_proj is not None:
             nn.init.normal_(self.gate_proj.weight, std=init_std)
         for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.weight.fill_(1.0)
+            if norm is not None:  # q.k then starts at qk_norm_scale times the plain 1/sqrt(Dh) logit
+                norm.weight.fill_(self.cfg.qk_norm_scale**0.5)
         if self.shift_proj is not None:  # gates of exactly 1/2 at init: an even mix with the previous token
             self.shift_proj.weight.zero_()
             self.shift_proj.bias.zero_()

@@ -23,6 +23,11 @@ class AttentionConfig:
     block_size: int = 128  # tile size of the chunked path (CPU: 128-256 measured 10-15% faster than 64)
     output_gate: bool = False  # FoX "Pro": sigmoid gate on the attention output
     qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
+    # With qk_norm, |q| = |k| = sqrt(Dh) x gains, so the logits are capped near sqrt(Dh) x gain^2 (5.7 at
+    # Dh = 32) and the gains (init 1) move slowly: a head cannot sharpen enough to pick one key out of
+    # 8x more keys than it was trained on. This is the logit scale at init as a multiple of 1/sqrt(Dh): the
+    # q and k gains start at its square root and still learn (the cache's eviction bound reads them).
+    qk_norm_scale: float = 1.0
     # FoX "Pro": data-dependent key/value shift, k'_t = g k_t + (1 - g) k_{t-1} (same for v) with a
     # per-head gate g = sigmoid(W x_t + b) (zero init: a 50/50 mix); false adds no parameters.
     kv_shift: bool = False
@@ -45,6 +50,13 @@ class AttentionConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"model.attention.block_size must be >= 1, got {self.block_size}")
+        if not self.qk_norm_scale > 0:
+            raise ValueError(f"model.attention.qk_norm_scale must be > 0, got {self.qk_norm_scale}")
+        if self.qk_norm_scale != 1.0 and not self.qk_norm:
+            raise ValueError(
+                f"model.attention.qk_norm_scale={self.qk_norm_scale} needs model.attention.qk_norm=true "
+                "(it sets the qk-norm gains)"
+            )
 
     @property
     def use_rope(self) -> bool:

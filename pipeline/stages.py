@@ -77,6 +77,7 @@ def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
 # them, so a run trained before the key existed is still done.
 LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "kv_shift"): False,
+    ("model", "attention", "qk_norm_scale"): 1.0,
     ("train", "passkey", "ramp_steps"): 0,
 }
 
