@@ -125,6 +125,19 @@ def test_derived_values() -> None:
         derive(load_config([], ["parallel.sequence=4", "data.seq_len=130"]), world_size=4)
 
 
+def test_qk_norm_scale_default_override_and_errors() -> None:
+    """model.attention.qk_norm_scale: 1 by default, set by override with qk_norm, an error naming the key
+    when it is not positive or when qk_norm is off (it would do nothing)."""
+    assert load_config([]).model.attention.qk_norm_scale == 1.0
+    cfg = load_config([ROOT / "configs/tiny.yaml"], ["model.attention.qk_norm_scale=2.5"])
+    assert cfg.model.attention.qk_norm_scale == 2.5
+    assert from_yaml_text(to_yaml(cfg)).model.attention.qk_norm_scale == 2.5
+    with pytest.raises(ConfigError, match="qk_norm_scale must be > 0"):
+        load_config([ROOT / "configs/tiny.yaml"], ["model.attention.qk_norm_scale=0"])
+    with pytest.raises(ConfigError, match="qk_norm_scale=2.0 needs model.attention.qk_norm=true"):
+        load_config([], ["model.attention.qk_norm=false", "model.attention.qk_norm_scale=2"])
+
+
 def test_kv_shift_key_default_override_and_old_yaml(tmp_path: Path) -> None:
     """model.attention.kv_shift: false by default (a saved config from before the key loads with it off),
     true by override, kept through the saved YAML."""

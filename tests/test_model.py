@@ -26,6 +26,20 @@ def _attn(seed=0, **kw) -> Attention:
     return Attention(D, H, AttentionConfig(**kw), max_seq_len=64)
 
 
+def test_qk_norm_scale_multiplies_every_logit_at_init() -> None:
+    """qk_norm_scale=s starts the q and k gains at sqrt(s): the same raw weights give s times every q.k."""
+    x = _x()
+    plain, scaled = _attn(qk_norm=True), _attn(qk_norm=True, qk_norm_scale=2.5)
+    for norm in (scaled.q_norm, scaled.k_norm):
+        assert norm is not None
+        torch.testing.assert_close(norm.weight.detach(), torch.full((D // H,), 2.5**0.5))
+    q1, k1, _, _ = plain.project(x)
+    q2, k2, _, _ = scaled.project(x)
+    torch.testing.assert_close(
+        q2 @ k2.transpose(-1, -2), 2.5 * (q1 @ k1.transpose(-1, -2)), rtol=1e-5, atol=1e-5
+    )
+
+
 def tiny_cfg(**attn) -> ModelConfig:
     attn.setdefault("impl", "naive")
     return ModelConfig(vocab_size=50, n_layer=2, n_head=H, d_model=D, attention=AttentionConfig(**attn))
