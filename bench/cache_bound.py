@@ -11,7 +11,6 @@ Writes docs/results/cache_bound/result.{json,md} (or --out) with the commit, mac
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import provenance, provenance_md, write_result  # noqa: E402
-from data_prep.index import load_index  # noqa: E402
-from data_prep.tokenizer import load_tokenizer  # noqa: E402
+from bench.trained_run import load_trained_run, passkey_by_length  # noqa: E402
 from fpa_model.cache import EvictionPolicy  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.evaluation.passkey import _cell_keys, passkey_lengths, run_cell  # noqa: E402
-from pipeline.export import load_exported  # noqa: E402
 
 
 def policies(margin: float, norm_slack: float, deltas: list[float]) -> list[tuple[str, dict[str, Any]]]:
@@ -47,13 +42,6 @@ def policies(margin: float, norm_slack: float, deltas: list[float]) -> list[tupl
     return out
 
 
-def _model_commit(run: Path) -> str | None:
-    try:
-        return json.loads((run / "git.json").read_text()).get("sha")
-    except (OSError, ValueError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, default=Path("runs/tiny"), help="a trained run directory")
@@ -63,52 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="default: docs/results/cache_bound")
     args = ap.parse_args(argv)
 
-    run = args.run.resolve()
-    if not (run / "config.yaml").is_file() or not (run / "export" / "model.safetensors").is_file():
-        ap.error(f"{run} is not a trained run (needs config.yaml and export/model.safetensors)")
-    cfg = load_config([run / "config.yaml"], [f"runs_dir={run.parent}", f"name={run.name}"])
-    pk, cc = cfg.eval.passkey, cfg.eval.cache
+    tr = load_trained_run(args.run)
+    model, index, cc = tr.model, tr.index, tr.cfg.eval.cache
+    pk, lengths, depths = tr.cfg.eval.passkey, tr.lengths, tr.depths
+    if model.cfg.attention.kind == "softmax":
+        ap.error("softmax attention never evicts: pick an fpa or fox run")
     margin = cc.margin if args.margin is None else args.margin
     trials = args.trials or pk.trials
     torch.manual_seed(0)
-    model = load_exported(run / "export").eval()
-    if model.cfg.attention.kind == "softmax":
-        ap.error("softmax attention never evicts: pick an fpa or fox run")
-    tokenizer = load_tokenizer(cfg.data_dir)
-    index = load_index(cfg.data_dir)
-    lengths = passkey_lengths(index.seq_len, list(pk.length_multipliers))
-    depths = [float(d) for d in pk.depths]
 
     rows = []
     for label, kw in policies(margin, cc.norm_slack, args.deltas):
         horizon = kw.pop("horizon")
         t0 = time.time()
-        per_length = {}
-        for L in lengths:
-            policy = EvictionPolicy(**kw, max_tokens=L if horizon else None)
-            cells = [
-                run_cell(
-                    model,
-                    tokenizer,
-                    length=L,
-                    depth=d,
-                    keys=_cell_keys(pk.seed, L, d, trials, pk.digits),
-                    digits=pk.digits,
-                    policy=policy,
-                    chunk_size=cc.prefill_chunk if policy.enabled else None,
-                    prefix_ids=[index.eod_id],
-                    device=torch.device("cpu"),
-                )
-                for d in depths
-            ]
-            per_length[str(L)] = {
-                "accuracy": sum(c["correct"] for c in cells) / sum(c["trials"] for c in cells),
-                "kept": sum(c["cache_fraction"] for c in cells) / len(cells),
-                "kept_per_layer": [
-                    sum(c["cache_fraction_per_layer"][i] for c in cells) / len(cells)
-                    for i in range(len(cells[0]["cache_fraction_per_layer"]))
-                ],
-            }
+        per_length = passkey_by_length(
+            tr,
+            trials=trials,
+            policy_for=lambda n, kw=kw, h=horizon: EvictionPolicy(**kw, max_tokens=n if h else None),
+        )
         rows.append({"policy": label, **kw, "horizon": horizon, "per_length": per_length})
         print(
             f"{label:45s} "
@@ -121,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {
         "run": str(args.run),
         # The commit the model was trained at (the run's git.json); provenance has the bench's own.
-        "model_commit": _model_commit(run),
+        "model_commit": tr.commit,
         "kind": model.cfg.attention.kind,
         "seq_len": index.seq_len,
         "lengths": lengths,

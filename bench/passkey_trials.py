@@ -26,6 +26,7 @@ SOLVED, WINDOW = 0.1, 10
 RECIPE = {  # column: dotted config key
     "kv_shift": "model.attention.kv_shift",
     "qk_norm": "model.attention.qk_norm",
+    "qk scale": "model.attention.qk_norm_scale",
     "steps": "train.max_steps",
     "lr": "train.lr",
     "prompts": "train.passkey.max_len",
@@ -69,6 +70,7 @@ def read_run(run: Path) -> dict[str, Any]:
     row["solved_at"] = solved_step(losses)
     report = run / "eval" / "report.json"
     row["ramp"] = row["ramp"] or 0  # a config from before the key: no ramp
+    row["qk scale"] = row["qk scale"] or 1.0  # before the key: the plain 1/sqrt(Dh)
     acc = json.loads(report.read_text()).get("passkey_accuracy_per_length") if report.is_file() else None
     row["accuracy"] = acc
     return row
