@@ -428,7 +428,13 @@ def _bwd_dkv_kernel(
     d0 = (n0 >> LG) << LG
     near = tl.zeros((LGP, BLOCK_N), tl.float32)  # fpa: COLR of the levels below LG
     first = d0 + ((n0 - d0) // BLOCK_M) * BLOCK_M  # the first query tile that reaches key n0
-    for m0 in range(first, tl.minimum(d0 + (1 << LG), T), BLOCK_M):
+    # Large K / V tiles (64 x 128 and up): no loop-invariant code motion out of the query loops. Hoisted,
+    # the shared-memory operand addresses of the dots (on Hopper the wgmma descriptors of K, V, Q and dO,
+    # several per 16-wide step of the head dim) stay live in about 40 registers across the loops, which
+    # spilled the 64-key tiles at head dim 128; recomputed per query tile they cost a few integer adds.
+    # Smaller tiles keep the hoisting (without it ptxas spilled 16 x 64 at head dim 64 on sm_80).
+    no_licm: tl.constexpr = HEAD_DIM * BLOCK_N >= 128 * 64
+    for m0 in tl.range(first, tl.minimum(d0 + (1 << LG), T), BLOCK_M, disable_licm=no_licm):
         offs_m = m0 + lm
         m_ok = offs_m < T
         q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
@@ -461,7 +467,7 @@ def _bwd_dkv_kernel(
     # changes.
     cur = tl.full((BLOCK_N,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     cacc = tl.zeros((BLOCK_N,), tl.float32)
-    for m0 in range(d0 + (1 << LG), T, BLOCK_M):
+    for m0 in tl.range(d0 + (1 << LG), T, BLOCK_M, disable_licm=no_licm):
         offs_m = m0 + lm
         m_ok = offs_m < T
         q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
@@ -836,8 +842,10 @@ class Tile(NamedTuple):
 # 128-row tiles on the side that is the MMA's M (queries in fwd / dq, keys in dk/dv) so Hopper's warpgroup
 # MMA applies. docs/kernel_resources.md has the registers, spills and shared memory of every entry compiled
 # for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills. At D = 128
-# the causal dk/dv kernel spills with 64 key rows under Triton 3.9 (80 B on sm_90), so its list holds
-# 32-row tiles (no warpgroup MMA there) until its registers shrink; dq keeps a 64-row tile at 1 stage.
+# the causal dk/dv kernel spilled with 64 key rows (80 B on sm_90 under Triton 3.9) until its query loops
+# stopped hoisting the K / V operand addresses (disable_licm); 16 x 64 now fits on both GPUs under both
+# Tritons and leads its list, the 32-row tiles stay as fallbacks. Its 32 x 64 still spills on sm_80 under
+# Triton 3.9 (24 B) and 128 key rows spill everywhere. dq keeps a 64-row tile at 1 stage.
 # The routing does not depend on the tiles, so each kernel may pick any entry of its list.
 GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
     "fwd": {64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)], 128: [Tile(128, 32, 8, 2)]},
@@ -847,7 +855,7 @@ GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
     },
     "dkv": {
         64: [Tile(16, 64, 8, 2), Tile(16, 128, 8, 1), Tile(16, 64, 4, 1), Tile(32, 64, 8, 2)],
-        128: [Tile(16, 32, 8, 2), Tile(16, 32, 4, 2)],
+        128: [Tile(16, 64, 8, 2), Tile(16, 32, 8, 2), Tile(16, 32, 4, 2)],
     },
     "cross_fwd": {
         64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)],
