@@ -47,6 +47,15 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).to(x.dtype)
 
 
+def log_length_factor(
+    start: int, length: int, train_length: int, device: torch.device | None = None
+) -> Tensor:
+    """max(1, ln(i + 1) / ln(train_length)) for the positions i in [start, start + length), fp32 (T,): the
+    query multiplier of model.attention.log_scale_length."""
+    pos = torch.arange(start, start + length, device=device, dtype=torch.float64)
+    return (torch.log1p(pos) / math.log(train_length)).clamp(min=1.0).float()
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
     """cos, sin tables (T, head_dim/2) in fp32 for the given integer positions."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
@@ -241,6 +250,9 @@ class Attention(nn.Module):
         if self.use_rope:
             cos, sin = self._rope_tables(pos_offset, t, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        length = self.cfg.log_scale_length
+        if length is not None and pos_offset + t > length:  # inside the training length: untouched
+            q = q * log_length_factor(pos_offset, t, length, q.device).to(q.dtype)[:, None]
         u = None
         if self.field_proj is not None:
             # In fp32 whatever the model's dtype: a bf16 increment (8 mantissa bits) would put a relative
@@ -312,7 +324,8 @@ class Attention(nn.Module):
             d = self.head_dim
             first: list[tuple[Tensor, Tensor] | None] = [(p[..., :d], p[..., d:]) for p in prev.unbind(0)]
             k, v = self.shift_kv(x, k, v, first)
-        if self.use_rope and len(ids) > 1:
+        # RoPE and the log-n factor need each chunk's absolute positions.
+        if (self.use_rope or self.cfg.log_scale_length is not None) and len(ids) > 1:
             parts = [
                 self._finish_projection(xc, qc, kc, vc, i * c)
                 for i, xc, qc, kc, vc in zip(ids, x.split(c, 1), q.split(c, 2), k.split(c, 2), v.split(c, 2))

@@ -30,11 +30,13 @@ about log p + 2 log log p past it: keys evicted early can no longer add up to mo
 sequence grows (a threshold using the tokens seen so far, log(seen), sums to ~ln(T / t0) budgets).
 
 Q and K. With qk_norm they are hard ceilings, sqrt(Dh) * max|RMSNorm weight| (`KVCache.for_model` passes
-them in) and the guarantee holds outright. Without qk_norm future norms are unknown: Q and K are the largest
-norms seen so far in that layer and head times `norm_slack` (default 1.25), and the guarantee holds for
-every continuation whose query and key norms stay within that (eviction starts after the first prefill
-chunk, so the estimate comes from at least that many tokens). A fixed `delta` overrides the bound and
-guarantees nothing.
+them in) and the guarantee holds outright. With model.attention.log_scale_length as well, queries past the
+training length grow by the log-n factor: Q is the ceiling times the factor at max_tokens (the guarantee
+then holds for queries up to the expected length), and without max_tokens Q is estimated as below.
+Without qk_norm future norms are unknown: Q and K are the largest norms seen so far in that layer and
+head times `norm_slack` (default 1.25), and the guarantee holds for every continuation whose query and
+key norms stay within that (eviction starts after the first prefill chunk, so the estimate comes from at
+least that many tokens). A fixed `delta` overrides the bound and guarantees nothing.
 
 Softmax never evicts. With eviction off, decoding reproduces the full forward pass to fp32 tolerance.
 
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fpa_model.attention import log_length_factor
 from fpa_model.config import ATTENTION_KINDS
 from fpa_model.ops.fpa.naive import fpa_bias_naive
 
@@ -314,6 +317,14 @@ class KVCache:
                     "q_bound": root_d * float(attn.q_norm.weight.detach().abs().max()),
                     "k_bound": root_d * float(attn.k_norm.weight.detach().abs().max()),
                 }
+                growth = attn.cfg.log_scale_length
+                if growth is not None:
+                    # Queries grow by the log-n factor with their position: a ceiling up to the expected
+                    # length; without one, no ceiling (the norm_slack estimate, as without qk_norm).
+                    n = policy.max_tokens
+                    bounds["q_bound"] = (
+                        bounds["q_bound"] * float(log_length_factor(n - 1, 1, growth)[0]) if n else None
+                    )
             layers.append(LayerCache(attn.kind, policy, **bounds))
         return cls(layers)
 

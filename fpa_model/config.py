@@ -28,6 +28,12 @@ class AttentionConfig:
     # 8x more keys than it was trained on. This is the logit scale at init as a multiple of 1/sqrt(Dh): the
     # q and k gains start at its square root and still learn (the cache's eviction bound reads them).
     qk_norm_scale: float = 1.0
+    # Log-n attention scaling past the training length L (this value; None: off): the query at position
+    # i >= L has its logits multiplied by ln(i + 1) / ln(L), 1 inside the training length, so training on
+    # sequences of at most L tokens is unchanged (1.375 at 8x for L = 256). Softmax over n keys dilutes a
+    # head's pick by ~ln(n); the factor keeps a head as sharp among 8x the keys as it was trained to be
+    # (bench/passkey_sharpness.py). Configs set it to ${data.seq_len}.
+    log_scale_length: int | None = None
     # FoX "Pro": data-dependent key/value shift, k'_t = g k_t + (1 - g) k_{t-1} (same for v) with a
     # per-head gate g = sigmoid(W x_t + b) (zero init: a 50/50 mix); false adds no parameters.
     kv_shift: bool = False
@@ -52,6 +58,11 @@ class AttentionConfig:
             raise ValueError(f"model.attention.block_size must be >= 1, got {self.block_size}")
         if not self.qk_norm_scale > 0:
             raise ValueError(f"model.attention.qk_norm_scale must be > 0, got {self.qk_norm_scale}")
+        if self.log_scale_length is not None and self.log_scale_length < 2:
+            raise ValueError(
+                f"model.attention.log_scale_length must be >= 2 (a training length) or null; "
+                f"got {self.log_scale_length}"
+            )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(
                 f"model.attention.qk_norm_scale={self.qk_norm_scale} needs model.attention.qk_norm=true "

@@ -78,6 +78,7 @@ def prepare_inputs(cfg: RunConfig) -> dict[str, Any]:
 LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "kv_shift"): False,
     ("model", "attention", "qk_norm_scale"): 1.0,
+    ("model", "attention", "log_scale_length"): None,
     ("train", "passkey", "ramp_steps"): 0,
 }
 

@@ -169,8 +169,9 @@ def _prefill_then_decode(
         ("fpa", "gate", {"qk_norm": True, "output_gate": True}),
         ("fox", "walk", {}),
         ("softmax", "walk", {}),
+        ("fpa", "walk", {"qk_norm": True, "log_scale_length": 16}),
     ],
-    ids=["fpa-walk", "fpa-direct", "fpa-gate-pro", "fox", "softmax-rope"],
+    ids=["fpa-walk", "fpa-direct", "fpa-gate-pro", "fox", "softmax-rope", "fpa-log-scale"],
 )
 def test_model_decode_matches_full_forward(kind: str, field: str, extra: dict) -> None:
     model = _model(kind, field, **extra)
@@ -261,6 +262,22 @@ def test_qk_norm_gives_hard_norm_bounds() -> None:
     plain = _model("fpa")
     _, c2 = prefill(plain, idx, policy=EvictionPolicy(enabled=True), chunk_size=10)
     assert all(lc.q_bound is None for lc in c2.layers)
+
+
+def test_log_scale_length_grows_the_query_ceiling_to_the_horizon() -> None:
+    """With log-n scaling, queries at position i carry the factor ln(i + 1) / ln(L): the hard ceiling on
+    |q| is the qk-norm one times the factor at the expected length; without one there is no ceiling."""
+    model = _model("fpa", qk_norm=True, log_scale_length=8)
+    plain = KVCache.for_model(_model("fpa", qk_norm=True), EvictionPolicy(enabled=True, max_tokens=64))
+    grown = KVCache.for_model(model, EvictionPolicy(enabled=True, max_tokens=64))
+    for a, b in zip(plain.layers, grown.layers):
+        assert b.q_bound == pytest.approx(a.q_bound * math.log(64) / math.log(8))
+        assert b.k_bound == a.k_bound
+    assert all(lc.q_bound is None for lc in KVCache.for_model(model, EvictionPolicy(enabled=True)).layers)
+    # The ceiling holds for every query the prompt makes.
+    idx = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(7))
+    _, cache = prefill(model, idx, policy=EvictionPolicy(enabled=True, max_tokens=64), chunk_size=16)
+    assert all(float(lc.q_max.max()) <= lc.q_bound * (1 + 1e-5) for lc in cache.layers)
 
 
 @pytest.mark.parametrize("horizon", [None, 1, 7, 128, 4096])

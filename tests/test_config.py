@@ -138,6 +138,18 @@ def test_qk_norm_scale_default_override_and_errors() -> None:
         load_config([], ["model.attention.qk_norm=false", "model.attention.qk_norm_scale=2"])
 
 
+def test_log_scale_length_off_by_default_and_the_demo_ties_it_to_the_training_length() -> None:
+    """Off (null) by default; configs/tiny.yaml sets ${data.seq_len}, so it follows a changed seq_len, and
+    config.yaml records the resolved number."""
+    assert load_config([]).model.attention.log_scale_length is None
+    assert load_config([ROOT / "configs/tiny.yaml"]).model.attention.log_scale_length == 256
+    cfg = load_config([ROOT / "configs/tiny.yaml"], ["data.seq_len=128"])
+    assert cfg.model.attention.log_scale_length == 128
+    assert "    log_scale_length: 128\n" in to_yaml(cfg)
+    with pytest.raises(ConfigError, match="log_scale_length must be >= 2"):
+        load_config([], ["model.attention.log_scale_length=0"])
+
+
 def test_kv_shift_key_default_override_and_old_yaml(tmp_path: Path) -> None:
     """model.attention.kv_shift: false by default (a saved config from before the key loads with it off),
     true by override, kept through the saved YAML."""

@@ -252,6 +252,8 @@ KV_SHIFT_CASES = [
     ("contiguous", "ring", {}),
     ("zigzag", "ulysses", {}),
     ("contiguous", "ulysses", {"rope": True}),
+    # log-n scaling: each zigzag chunk's queries need their own absolute positions (without RoPE too)
+    ("zigzag", "ring", {"qk_norm": True, "log_scale_length": 8}),
 ]
 
 

@@ -40,6 +40,28 @@ def test_qk_norm_scale_multiplies_every_logit_at_init() -> None:
     )
 
 
+def test_log_scale_length_scales_queries_past_the_training_length_only() -> None:
+    """Queries at positions i >= L are multiplied by ln(i + 1) / ln(L), earlier ones are untouched (bit for
+    bit, so training on L tokens is unchanged); keys, values and the field never change."""
+    from fpa_model.attention import log_length_factor
+
+    f = log_length_factor(0, 40, 16)
+    expect = torch.tensor([max(1.0, math.log(i + 1) / math.log(16)) for i in range(40)])
+    torch.testing.assert_close(f, expect)
+    assert torch.all(f[:16] == 1.0) and f[15] == 1.0 and f[16] > 1.0
+    x = _x(t=40)
+    plain, scaled = _attn(qk_norm=True), _attn(qk_norm=True, log_scale_length=16)
+    q1, k1, v1, u1 = plain.project(x)
+    q2, k2, v2, u2 = scaled.project(x)
+    torch.testing.assert_close(q2, q1 * f[:, None])
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(u1, u2)
+    assert torch.equal(plain(x[:, :16]), scaled(x[:, :16]))  # inside the training length: the same op
+    q3, *_ = scaled.project(x[:, 30:], pos_offset=30)  # decode offsets: the factor of the absolute position
+    torch.testing.assert_close(q3, q1[:, :, 30:] * f[30:, None])
+    with pytest.raises(ValueError, match="log_scale_length must be >= 2"):
+        AttentionConfig(log_scale_length=1)
+
+
 def tiny_cfg(**attn) -> ModelConfig:
     attn.setdefault("impl", "naive")
     return ModelConfig(vocab_size=50, n_layer=2, n_head=H, d_model=D, attention=AttentionConfig(**attn))

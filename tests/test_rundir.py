@@ -79,15 +79,17 @@ def test_fingerprints_follow_what_each_stage_reads(tmp_path: Path) -> None:
 
 
 def test_keys_added_later_leave_an_older_runs_fingerprint_alone(tmp_path):
-    """kv_shift, qk_norm_scale and passkey.ramp_steps at their defaults are not in the train fingerprint (a
-    run trained before they existed is still done); set, they are (the run trains again)."""
+    """kv_shift, qk_norm_scale, log_scale_length and passkey.ramp_steps at their defaults are not in the
+    train fingerprint (a run trained before they existed is still done); set, they are (it trains again)."""
     base = train_inputs(_cfg(tmp_path), 1)
     assert "kv_shift" not in base["model"]["attention"]
     assert "qk_norm_scale" not in base["model"]["attention"]
+    assert "log_scale_length" not in base["model"]["attention"]
     assert "ramp_steps" not in base["train"]["passkey"]
     assert base == train_inputs(_cfg(tmp_path, "model.attention.kv_shift=false"), 1)
     assert base != train_inputs(_cfg(tmp_path, "model.attention.kv_shift=true"), 1)
     assert base != train_inputs(_cfg(tmp_path, "train.passkey.ramp_steps=10"), 1)
+    assert base != train_inputs(_cfg(tmp_path, "model.attention.log_scale_length=128"), 1)
     normed = train_inputs(_cfg(tmp_path, "model.attention.qk_norm=true"), 1)
     assert normed != train_inputs(
         _cfg(tmp_path, "model.attention.qk_norm=true", "model.attention.qk_norm_scale=2"), 1
