@@ -165,7 +165,8 @@ def test_export_hf_from_a_deepspeed_checkpoint(tmp_path: Path, data_dir: Path, e
 
 @pytest.fixture(scope="module")
 def exported_kv_shift(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple:
-    """An fpa model with model.attention.kv_shift=true and random shift gates: (cfg, plain, hf dir)."""
+    """An fpa model with model.attention.kv_shift=true and random shift gates, and log-n scaling from 16
+    tokens (the prompts and generations below pass it): (cfg, plain, hf dir)."""
     from safetensors.torch import load_file, save_file
 
     from launch.cli import main
@@ -173,9 +174,9 @@ def exported_kv_shift(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) 
     from pipeline.export import WEIGHTS
 
     tmp = tmp_path_factory.mktemp("hfshift")
-    cfg = run_cfg(
-        tmp, data_dir, "hf-kvshift", "fpa", ["model.attention.kv_shift=true", "model.attention.rope=true"]
-    )
+    over = ["model.attention.kv_shift=true", "model.attention.rope=true"]
+    over.append("model.attention.log_scale_length=16")
+    cfg = run_cfg(tmp, data_dir, "hf-kvshift", "fpa", over)
     plain = export_random_model(cfg, seed=3)
     sd = load_file(str(plain / WEIGHTS))
     g = torch.Generator().manual_seed(4)
@@ -191,14 +192,15 @@ def exported_kv_shift(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) 
 
 @pytest.mark.parametrize("evict", [False, True], ids=["full", "evict"])
 def test_hf_kv_shift_logits_and_generate_equal_the_project(evict: bool, exported_kv_shift: tuple) -> None:
-    """config.json carries kv_shift; the logits and greedy generate() (the cache carries each layer's last
-    raw k, v) equal the project's model and its own KV-cache decoder."""
+    """config.json carries kv_shift and log_scale_length; the logits and greedy generate() (the cache
+    carries each layer's last raw k, v) equal the project's model and its own KV-cache decoder."""
     from fpa_model.cache import EvictionPolicy, generate
     from pipeline.export import load_exported
 
     cfg, plain, hf_dir = exported_kv_shift
     model, _ = _load(hf_dir)
     assert model.config.fpa_model["attention"]["kv_shift"] is True
+    assert model.config.fpa_model["attention"]["log_scale_length"] == 16
     assert model.model.blocks[0].attn.shift_proj is not None
     ref = load_exported(plain)
     assert ref.blocks[1].attn.shift_proj.weight.abs().sum() > 0
