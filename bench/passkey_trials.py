@@ -27,6 +27,7 @@ RECIPE = {  # column: dotted config key
     "kv_shift": "model.attention.kv_shift",
     "qk_norm": "model.attention.qk_norm",
     "qk scale": "model.attention.qk_norm_scale",
+    "log-n from": "model.attention.log_scale_length",
     "steps": "train.max_steps",
     "lr": "train.lr",
     "prompts": "train.passkey.max_len",
@@ -71,6 +72,7 @@ def read_run(run: Path) -> dict[str, Any]:
     report = run / "eval" / "report.json"
     row["ramp"] = row["ramp"] or 0  # a config from before the key: no ramp
     row["qk scale"] = row["qk scale"] or 1.0  # before the key: the plain 1/sqrt(Dh)
+    row["log-n from"] = row["log-n from"] or "-"  # off (or before the key)
     acc = json.loads(report.read_text()).get("passkey_accuracy_per_length") if report.is_file() else None
     row["accuracy"] = acc
     return row

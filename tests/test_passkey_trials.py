@@ -48,7 +48,7 @@ def test_a_run_row_and_its_table_line(tmp_path):
     assert row["prompts"] == "64-256" and row["ramp"] == 0 and row["commit"] == "0123456789"
     assert row["last_step"] == 50 and row["solved_at"] == 40
     md = pt.markdown([row], pt.provenance())
-    cells = "trial.s3 | 3 | True | False | 1.0 | 50 | 0.003 | 64-256 | 0 | 64 | 0123456789 | 50 | 40"
+    cells = "trial.s3 | 3 | True | False | 1.0 | - | 50 | 0.003 | 64-256 | 0 | 64 | 0123456789 | 50 | 40"
     cells += " | 1.00 | 0.80"
     assert f"| {cells} |" in md
 
