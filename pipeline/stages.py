@@ -17,7 +17,7 @@ from typing import Any
 from data_prep.config import data_config_dict
 from data_prep.index import sha256_file
 from data_prep.prepare import data_problem, prepare_data, prepare_part, prepare_plan, reusable_data
-from pipeline.config import ConfigError, RunConfig, derive
+from pipeline.config import ConfigError, RunConfig, derive, from_yaml_text
 from pipeline.rundir import STAGES, RunDir, hash_outputs, sha256_json
 
 # The training and evaluation modules import torch and deepspeed (seconds): run_train / run_eval import
@@ -125,12 +125,30 @@ def export_dir(cfg: RunConfig) -> Path:
 
 
 def eval_inputs(cfg: RunConfig, checkpoint: Path | None) -> dict[str, Any]:
-    weights = (checkpoint or export_dir(cfg)) / "model.safetensors"
+    export = checkpoint or export_dir(cfg)
+    weights = export / "model.safetensors"
     return {
         "eval": _asdict(cfg.eval),
         "data": {"seq_len": cfg.data.seq_len},
         "weights": sha256_file(weights) if weights.is_file() else "missing",
+        "model": _export_model(export),
     }
+
+
+def _export_model(export: Path) -> Any:
+    """The model config the eval builds from the export's config.yaml: the same weights under another one
+    (attention impl, tile size, log-n scaling) evaluate to other figures. Keys added later are left out
+    at their defaults, as in the train fingerprint."""
+    config = export / "config.yaml"
+    if not config.is_file():
+        return "missing"
+    try:
+        model = _asdict(from_yaml_text(config.read_text()).model)
+    except Exception:  # a damaged file: the eval itself reports what is wrong with it
+        return f"unreadable {sha256_file(config)}"
+    inputs = {"model": model}
+    _drop_later_defaults(inputs)
+    return inputs["model"]
 
 
 def _required_outputs(cfg: RunConfig, stage: str) -> list[Path]:

@@ -78,6 +78,27 @@ def test_fingerprints_follow_what_each_stage_reads(tmp_path: Path) -> None:
     assert eval_inputs(base, None) != eval_inputs(_cfg(tmp_path, "eval.passkey.trials=1"), None)
 
 
+def test_eval_fingerprint_follows_the_exported_model_config(tmp_path: Path) -> None:
+    """The same weights under another model config (here log-n scaling, which changes nothing in training)
+    evaluate differently: the eval fingerprint reads the export's config.yaml, not only its weights."""
+    from pipeline.config import to_yaml
+
+    base = _cfg(tmp_path)
+    export = tmp_path / "exp"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"same weights")
+    assert eval_inputs(base, export)["model"] == "missing"
+    (export / "config.yaml").write_text(to_yaml(base))
+    plain = eval_inputs(base, export)
+    assert "log_scale_length" not in plain["model"]["attention"]  # a later key at its default
+    (export / "config.yaml").write_text(to_yaml(_cfg(tmp_path, "model.attention.log_scale_length=256")))
+    scaled = eval_inputs(base, export)
+    assert scaled["weights"] == plain["weights"] and scaled != plain
+    assert scaled["model"]["attention"]["log_scale_length"] == 256
+    (export / "config.yaml").write_text("model: [not, a, mapping")
+    assert eval_inputs(base, export)["model"].startswith("unreadable ")
+
+
 def test_keys_added_later_leave_an_older_runs_fingerprint_alone(tmp_path):
     """kv_shift, qk_norm_scale, log_scale_length and passkey.ramp_steps at their defaults are not in the
     train fingerprint (a run trained before they existed is still done); set, they are (it trains again)."""
