@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.results import finish_provenance, provenance, provenance_md, write_result  # noqa: E402
+from pipeline.rundir import stage_commit  # noqa: E402
 
 SOLVED, WINDOW = 0.1, 10
 RECIPE = {  # column: dotted config key
@@ -60,13 +61,12 @@ def read_run(run: Path) -> dict[str, Any]:
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     losses = [(r["step"], r["passkey_loss"]) for r in records if "passkey_loss" in r]
-    git = json.loads((run / "git.json").read_text()) if (run / "git.json").is_file() else {}
     row: dict[str, Any] = {"run": run.name, "seed": cfg.get("seed")}
     row.update({col: _get(cfg, key) for col, key in RECIPE.items()})
     if row["prompts"] is None:
         row["prompts"] = _get(cfg, "data.seq_len")
     row["prompts"] = f"{_get(cfg, 'train.passkey.min_len')}-{row['prompts']}"
-    row["commit"] = (git.get("sha") or "?")[:10]
+    row["commit"] = (stage_commit(run, "train") or "?")[:10]
     row["last_step"] = max((r["step"] for r in records if "step" in r), default=0)
     row["solved_at"] = solved_step(losses)
     report = run / "eval" / "report.json"

@@ -55,6 +55,7 @@ from launch.slurm import (
     world_size,
 )
 from pipeline.config import ConfigError, RunConfig, derive, load_config
+from pipeline.rundir import stage_commit
 
 SWEEP_KEYS = {"name", "description", "configs", "overrides", "grid", "max_parallel", "local_nproc"}
 Runner = Callable[[list[str]], int]  # argv for `python -m launch.cli` -> exit status
@@ -425,7 +426,8 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = ["run", *(short[k] for k in keys), *METRICS, *harness_cols, "status"]
     prov = provenance(argv, program="fpa")
-    trained_at = {run.name: _trained_at(run.run_dir) for run in sweep.runs}
+    trained_at = {run.name: stage_commit(run.run_dir, "train") for run in sweep.runs}
+    evaluated_at = {run.name: stage_commit(run.run_dir, "eval") for run in sweep.runs}
 
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
@@ -436,12 +438,13 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
 
     found = sum(r["status"] == "ok" for r in table)
     commits = sorted({c[:10] for c in trained_at.values() if c})
+    evaluated = sorted({c[:10] for c in evaluated_at.values() if c})
     text = [
         f"# Sweep {sweep.name}\n",
         "## Runs\n",
         provenance_md(prov) + "\n",
         f"{len(table)} runs, {found} with an eval report ({sweep.path}); trained at commit "
-        f"{', '.join(commits) or 'unknown'}.\n",
+        f"{', '.join(commits) or 'unknown'}, evaluated at {', '.join(evaluated) or 'unknown'}.\n",
     ]
     numeric = {*METRICS, *harness_cols}
     cells = [[_fmt(r[c]) if c in numeric else str(r[c]) for c in columns] for r in table]
@@ -456,21 +459,13 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
         "sweep": sweep.name,
         "provenance": prov,
         "trained_at": trained_at,
+        "evaluated_at": evaluated_at,
         "columns": columns,
         "runs": table,
     }
     (out_dir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     _plot(out_dir / "results.png", sweep.name, table, curves)
     return out_dir
-
-
-def _trained_at(run_dir: Path) -> str | None:
-    """The commit a run's code was at (its git.json), None when unknown."""
-    try:
-        sha = json.loads((run_dir / "git.json").read_text()).get("sha")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return sha if isinstance(sha, str) and sha != "unknown" else None
 
 
 def _group_summary(table: list[dict[str, Any]], grid_cols: list[str], metrics: Sequence[str]) -> str:

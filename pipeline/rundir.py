@@ -241,5 +241,19 @@ def run_lock(run_dir: Path, name: str = "train") -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def stage_commit(run_dir: Path, stage: str) -> str | None:
+    """The commit a run's `stage` last ran at: its manifest's git sha, else the run's git.json (written by
+    every invocation, so only a fallback for runs without a manifest); None when unknown."""
+    for path, key in ((run_dir / "manifests" / f"{stage}.json", "git"), (run_dir / "git.json", None)):
+        try:
+            info = json.loads(path.read_text())
+            sha = info[key]["sha"] if key else info["sha"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(sha, str) and sha != "unknown":
+            return sha
+    return None
+
+
 def hash_outputs(run: RunDir, paths: list[Path]) -> dict[str, str]:
     return {run.rel(p): sha256_file(p) for p in paths if Path(p).is_file()}

@@ -512,16 +512,25 @@ def test_collect_says_where_its_figures_came_from(tmp_path: Path) -> None:
         (run.run_dir / "eval").mkdir(parents=True)
         (run.run_dir / "eval" / "report.json").write_text(json.dumps(_report("fpa", 2.0 + i, 1.0, 0.5)))
         (run.run_dir / "git.json").write_text(json.dumps({"sha": "ab" * 20, "dirty": False}))
+    # Run 0 was trained at one commit and re-evaluated at another (git.json holds the last invocation's):
+    # its stage manifests say which; run 1 has no manifests, so git.json stands in.
+    (runs[0].run_dir / "manifests").mkdir()
+    for stage, sha in (("train", "cd"), ("eval", "ef")):
+        manifest = {"stage": stage, "status": "done", "git": {"sha": sha * 20, "dirty": False}}
+        (runs[0].run_dir / "manifests" / f"{stage}.json").write_text(json.dumps(manifest))
     out = collect_sweep(sweep, out=tmp_path / "docs" / "abl")
     assert out == tmp_path / "docs" / "abl" and not (tmp_path / "runs" / "sweeps" / "abl").exists()
     record = json.loads((out / "results.json").read_text())
     prov = record["provenance"]
     assert prov["command"] == f"fpa sweep {sweep} --collect --out {tmp_path / 'docs' / 'abl'}"
     assert len(prov["commit"]) == 40 and prov["machine"]["cores"] >= 1
-    assert record["trained_at"][runs[0].name] == "ab" * 20 and record["trained_at"][runs[2].name] is None
+    assert record["trained_at"][runs[0].name] == "cd" * 20
+    assert record["evaluated_at"][runs[0].name] == "ef" * 20
+    assert record["trained_at"][runs[1].name] == "ab" * 20 and record["trained_at"][runs[2].name] is None
     assert [r["final_val_loss"] for r in record["runs"][:2]] == [2.0, 3.0]
     md = (out / "results.md").read_text()
-    assert prov["command"] in md and prov["commit"][:10] in md and "trained at commit abababab" in md
+    assert prov["command"] in md and prov["commit"][:10] in md
+    assert "trained at commit ababababab, cdcdcdcdcd, evaluated at ababababab, efefefefef." in md
 
 
 def test_ppl_curve_takes_the_longest_length_in_perplexity() -> None:
