@@ -84,7 +84,9 @@ def markdown(results: list[dict[str, Any]], prov: dict[str, Any]) -> str:
         "",
         "Full cache, the run's own eval keys and depths. 'qk_norm_scale': the logit scale the run was "
         "trained from (its config); 'trained gains': the learned gains' product at the end of training "
-        "(mean over layers); 'logits x': the factor applied at evaluation only (1: the run as trained).",
+        "(mean over layers); 'log-n': log-n scaling at evaluation (model.attention.log_scale_length: off, "
+        "or from the training length); 'logits x': the factor applied at evaluation only (1, with the "
+        "run's own log-n setting: the run as trained and evaluated).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
