@@ -31,6 +31,7 @@ RECIPE = {  # column: dotted config key
     "log-n from": "model.attention.log_scale_length",
     "steps": "train.max_steps",
     "lr": "train.lr",
+    "digits": "train.passkey.digits",
     "prompts": "train.passkey.max_len",
     "ramp": "train.passkey.ramp_steps",
     "tile": "model.attention.block_size",  # the chunked path's tile: changes float rounding only
@@ -89,8 +90,8 @@ def markdown(rows: list[dict[str, Any]], prov: dict[str, Any]) -> str:
         "",
         "Read from the runs' own files (config.yaml, metrics.jsonl, eval/report.json). "
         f"'passkey loss < {SOLVED} at': the first step at which the mean passkey loss over {WINDOW} steps "
-        f"fell below {SOLVED} ('-': not by its last step); accuracy: exact match of the 2-digit key, full "
-        "cache, 25 prompts per length ('-': the run was stopped before its eval).",
+        f"fell below {SOLVED} ('-': not by its last step); accuracy: exact match of the key (of 'digits' "
+        "digits), full cache, 25 prompts per length ('-': the run was stopped before its eval).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

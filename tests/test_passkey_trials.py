@@ -20,7 +20,8 @@ def _run(tmp: Path, losses: list[float], report: dict | None) -> Path:
     run.mkdir()
     cfg = {"seed": 3, "model": {"attention": {"kv_shift": True, "qk_norm": False, "block_size": 64}}}
     cfg["data"] = {"seq_len": 256}
-    cfg["train"] = {"max_steps": len(losses), "lr": 0.003, "passkey": {"min_len": 64, "max_len": None}}
+    passkey = {"min_len": 64, "max_len": None, "digits": 5}
+    cfg["train"] = {"max_steps": len(losses), "lr": 0.003, "passkey": passkey}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     lines = [json.dumps({"step": i + 1, "loss": 5.0, "passkey_loss": v}) for i, v in enumerate(losses)]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -48,7 +49,7 @@ def test_a_run_row_and_its_table_line(tmp_path):
     assert row["prompts"] == "64-256" and row["ramp"] == 0 and row["commit"] == "0123456789"
     assert row["last_step"] == 50 and row["solved_at"] == 40
     md = pt.markdown([row], pt.provenance())
-    cells = "trial.s3 | 3 | True | False | 1.0 | - | 50 | 0.003 | 64-256 | 0 | 64 | 0123456789 | 50 | 40"
+    cells = "trial.s3 | 3 | True | False | 1.0 | - | 50 | 0.003 | 5 | 64-256 | 0 | 64 | 0123456789 | 50 | 40"
     cells += " | 1.00 | 0.80"
     assert f"| {cells} |" in md
 
