@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(None if argv is None else ["bench/cache_bound.py", *argv])
     data = {
         "run": str(args.run),
-        # The commit the model was trained at (the run's git.json); provenance has the bench's own.
+        # The commit the model was trained at (its train manifest); provenance has the bench's own.
         "model_commit": tr.commit,
         "kind": model.cfg.attention.kind,
         "seq_len": index.seq_len,

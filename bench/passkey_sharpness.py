@@ -24,7 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import finish_provenance, provenance, provenance_md, write_result  # noqa: E402
+from bench.results import (  # noqa: E402
+    finish_provenance,
+    markdown_table,
+    provenance,
+    provenance_md,
+    write_result,
+)
 from bench.trained_run import TrainedRun, load_trained_run, passkey_by_length  # noqa: E402
 from fpa_model.cache import EvictionPolicy  # noqa: E402
 
@@ -88,17 +94,15 @@ def markdown(results: list[dict[str, Any]], prov: dict[str, Any]) -> str:
         "or from the training length); 'logits x': the factor applied at evaluation only (1, with the "
         "run's own log-n setting: the run as trained and evaluated).",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
     ]
+    rows = []
     for r in results:
         for row in r["rows"]:
             gains = "-" if r["trained_scale"] is None else f"{r['trained_scale']:.2f}"
             cells = [r["run"], r["kind"], r["seed"], f"{r['qk_norm_scale']:g}", gains]
             cells += ["off" if row["log_n"] is None else f"from {row['log_n']}", f"{row['scale']:g}"]
-            cells += [f"{row['accuracy'][str(n)]:.2f}" for n in lengths]
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+            rows.append(cells + [f"{row['accuracy'][str(n)]:.2f}" for n in lengths])
+    return "\n".join([*lines, markdown_table(head, rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

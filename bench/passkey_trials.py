@@ -20,7 +20,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.results import finish_provenance, provenance, provenance_md, write_result  # noqa: E402
+from bench.results import (  # noqa: E402
+    finish_provenance,
+    markdown_table,
+    provenance,
+    provenance_md,
+    write_result,
+)
 from pipeline.rundir import stage_commit  # noqa: E402
 
 SOLVED, WINDOW = 0.1, 10
@@ -93,16 +99,14 @@ def markdown(rows: list[dict[str, Any]], prov: dict[str, Any]) -> str:
         f"fell below {SOLVED} ('-': not by its last step); accuracy: exact match of the key (of 'digits' "
         "digits), full cache, 25 prompts per length ('-': the run was stopped before its eval).",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
     ]
+    table = []
     for r in rows:
         acc = r["accuracy"] or {}
         cells = [r["run"], r["seed"], *(r[c] for c in RECIPE), r["commit"], r["last_step"]]
         cells += [r["solved_at"] if r["solved_at"] is not None else "-"]
-        cells += [f"{acc[str(n)]:.2f}" if str(n) in acc else "-" for n in lengths]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        table.append(cells + [f"{acc[str(n)]:.2f}" if str(n) in acc else "-" for n in lengths])
+    return "\n".join([*lines, markdown_table(head, table)])
 
 
 def main() -> None:

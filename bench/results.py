@@ -11,9 +11,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.provenance import cpu_model, finish_provenance, provenance, provenance_md
+from pipeline.provenance import cpu_model, finish_provenance, markdown_table, provenance, provenance_md
 
-__all__ = ["RESULTS_DIR", "cpu_model", "finish_provenance", "provenance", "provenance_md", "write_result"]
+__all__ = [
+    "RESULTS_DIR",
+    "cpu_model",
+    "finish_provenance",
+    "markdown_table",
+    "provenance",
+    "provenance_md",
+    "write_result",
+]
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 

@@ -3,7 +3,6 @@ grid evaluated on it, per length: shared by bench/cache_bound.py and bench/passk
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from fpa_model.model import GPT
 from pipeline.config import RunConfig, load_config
 from pipeline.evaluation.passkey import _cell_keys, passkey_lengths, run_cell
 from pipeline.export import load_exported
+from pipeline.rundir import stage_commit
 
 
 @dataclass
@@ -29,7 +29,7 @@ class TrainedRun:
     index: DataIndex
     lengths: list[int]
     depths: list[float]
-    commit: str | None  # the commit the model was trained at (the run's git.json)
+    commit: str | None  # the commit the model was trained at (its train manifest)
 
 
 def load_trained_run(run: Path) -> TrainedRun:
@@ -39,10 +39,6 @@ def load_trained_run(run: Path) -> TrainedRun:
         raise SystemExit(f"{run} is not a trained run (needs config.yaml and export/model.safetensors)")
     cfg = load_config([full / "config.yaml"], [f"runs_dir={full.parent}", f"name={full.name}"])
     index = load_index(cfg.data_dir)
-    try:
-        commit = json.loads((full / "git.json").read_text()).get("sha")
-    except (OSError, ValueError):
-        commit = None
     pk = cfg.eval.passkey
     return TrainedRun(
         path=run,
@@ -52,7 +48,7 @@ def load_trained_run(run: Path) -> TrainedRun:
         index=index,
         lengths=passkey_lengths(index.seq_len, list(pk.length_multipliers)),
         depths=[float(d) for d in pk.depths],
-        commit=commit,
+        commit=stage_commit(full, "train"),
     )
 
 

@@ -372,12 +372,6 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     """Gather every run's <run_dir>/eval/report.json into results.md, results.csv, results.png and
     results.json (the table with the collect command, commit and machine, and the commit each run was
@@ -393,7 +387,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
         read_report,
         report_metrics,
     )
-    from pipeline.provenance import provenance, provenance_md
+    from pipeline.provenance import markdown_table, provenance, provenance_md
 
     argv = ["sweep", str(path), "--collect", *([] if out is None else ["--out", str(out)])]
     sweep = load_sweep(path)
@@ -448,7 +442,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     ]
     numeric = {*METRICS, *harness_cols}
     cells = [[_fmt(r[c]) if c in numeric else str(r[c]) for c in columns] for r in table]
-    text.append(_markdown(columns, cells))
+    text.append(markdown_table(columns, cells) + "\n")
     summary = _group_summary(table, [short[k] for k in keys], (*METRICS, *harness_cols))
     if summary:
         text += ["## Mean ± std over seeds\n", summary]
@@ -470,6 +464,8 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
 
 def _group_summary(table: list[dict[str, Any]], grid_cols: list[str], metrics: Sequence[str]) -> str:
     """Metrics averaged over the seed axis (if the grid has one), grouped by the other grid values."""
+    from pipeline.provenance import markdown_table  # here: it imports torch, as collect_sweep notes
+
     if "seed" not in grid_cols:
         return ""
     by = [c for c in grid_cols if c != "seed"]
@@ -488,7 +484,7 @@ def _group_summary(table: list[dict[str, Any]], grid_cols: list[str], metrics: S
             else:
                 cells.append(f"{statistics.mean(vals):.4g} ± {statistics.stdev(vals):.2g} (n={len(vals)})")
         rows.append(cells)
-    return _markdown([*by, *metrics], rows)
+    return markdown_table([*by, *metrics], rows) + "\n"
 
 
 def _plot(path: Path, title: str, table: list[dict[str, Any]], curves: dict[str, Any]) -> None:

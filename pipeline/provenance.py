@@ -78,6 +78,14 @@ def _load_md(prov: dict[str, Any]) -> str:
     return f"; load average {start[0]:.2f} at start, {end[0]:.2f} at end (1 min)"
 
 
+def markdown_table(header: list[Any], rows: list[list[Any]]) -> str:
+    """A markdown table (no trailing newline) of the result files and sweep tables; cells go through str()
+    and a "|" inside one is escaped."""
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def provenance_md(prov: dict[str, Any]) -> str:
     """Two lines for the top of a result's markdown: the command, and the commit and machine (and the load
     average at the start and end of the measurement, once finish_provenance recorded the end)."""
