@@ -294,6 +294,17 @@ def test_any_tiles_per_kernel_match_naive(name, tiles, t):
     assert_all_close(got, reference(q, k, v, u, do, "walk", "fpa"), torch.float32)
 
 
+def test_head_dim_128_tiles_match_naive():
+    """Head dim 128 with its own list's first entries, each kernel on a different one (dk/dv on 16 x 64, the
+    tile whose query loops stop hoisting addresses at this size): outputs and every gradient equal the
+    oracle."""
+    tiles = {name: tk.GPU_TILES_BY_DIM[name][128][0] for name in ("fwd", "dq", "dkv")}
+    assert tiles["dkv"] == tk.Tile(16, 64, 8, 2) and tiles["dq"] != tiles["dkv"]
+    q, k, v, u, do = make_inputs(1, 1, 160, 128, field="walk", seed=3)
+    got = run_with_grads(fpa_attention_triton, q, k, v, u, do, "walk", kind="fpa", tiles=tiles)
+    assert_all_close(got, reference(q, k, v, u, do, "walk", "fpa"), torch.float32)
+
+
 def test_any_tiles_with_ties_match_tie_rule():
     """Tie-heavy field on mismatched tiles: the field gradient still follows the lowest-index rule."""
     b, h, t, d = 1, 2, 70, 16
