@@ -89,16 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     stale: list[str] = []
     for page in todo:
         text = page.read_text()
+        name = page.relative_to(args.root) if page.is_relative_to(args.root) else page
         try:
             new, changed = sync(text, args.root)
         except ResultRefError as e:
-            print(f"result_blocks: {page}: {e}", file=sys.stderr)
+            print(f"result_blocks: {name}: {e}", file=sys.stderr)
             return 1
         if args.check:
-            stale += [f"{page}: block {ref}" for ref in changed]
+            stale += [f"{name}: block {ref}" for ref in changed]
         elif changed:
             page.write_text(new)
-            stale += [f"{page}: block {ref}" for ref in changed]
+            stale += [f"{name}: block {ref}" for ref in changed]
     if args.check:
         for s in stale:
             print(f"result_blocks: {s} differs from its file (run python bench/result_blocks.py)")
