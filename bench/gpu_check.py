@@ -489,6 +489,7 @@ def summarize(steps: list[Step]) -> dict[str, Any]:
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
+    # Standard library only (this script runs before the project is installed): its own temp + rename.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str))

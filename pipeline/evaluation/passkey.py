@@ -18,6 +18,7 @@ import torch
 
 from data_prep import passkey as protocol
 from fpa_model.cache import EvictionPolicy, generate
+from pipeline.atomic import atomic_write_text
 from pipeline.config import CacheConfig, PasskeyConfig
 
 log = logging.getLogger("fpa")
@@ -197,9 +198,7 @@ def run_passkey(
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def plot_passkey(result: dict[str, Any], path: Path) -> None:

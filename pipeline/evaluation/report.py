@@ -50,6 +50,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import atomic_write_text
+
 SCHEMA_VERSION = 1
 
 REPORT_KEYS = (
@@ -325,10 +327,8 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> tuple[Path, Path]:
     """report.json and report.md into eval_dir (each written atomically)."""
     eval_dir.mkdir(parents=True, exist_ok=True)
     pj, pm = eval_dir / "report.json", eval_dir / "report.md"
-    for path, text in ((pj, json.dumps(report, indent=1) + "\n"), (pm, report_markdown(report))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    atomic_write_text(pj, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(pm, report_markdown(report))
     return pj, pm
 
 
