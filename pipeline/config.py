@@ -282,7 +282,7 @@ class CacheConfig:
 
 @dataclass
 class HarnessConfig:
-    """lm-evaluation-harness on the exported model (pipeline/harness.py); no tasks: not run."""
+    """lm-evaluation-harness on the exported model (pipeline/evaluation/harness.py); no tasks: not run."""
 
     tasks: list[str] = field(default_factory=list)  # lm-eval task names, e.g. [lambada_openai, hellaswag]
     num_fewshot: int | None = None  # None: each task's default

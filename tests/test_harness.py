@@ -171,9 +171,9 @@ def test_harness_unknown_task_and_old_reports(tmp_path: Path, data_dir: Path) ->
     from data_prep.index import load_index
     from data_prep.tokenizer import load_tokenizer
     from pipeline.config import HarnessConfig
+    from pipeline.evaluation.harness import HarnessError, run_harness
     from pipeline.evaluation.report import LATER_KEYS, check_report
     from pipeline.export import load_exported
-    from pipeline.harness import HarnessError, run_harness
 
     cfg = run_cfg(tmp_path, data_dir, "h", "fox")
     model = load_exported(export_random_model(cfg))

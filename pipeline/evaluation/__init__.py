@@ -4,7 +4,7 @@ eviction, validation loss by position beyond the training length, bits per byte,
     evaluate(cfg, checkpoint=None) -> summary dict
 
 writes <run_dir>/eval/{passkey.json, passkey.png, perplexity.json, perplexity.png, report.json,
-report.md}; with eval.harness.tasks, lm-evaluation-harness scores too (pipeline/harness.py). The
+report.md}; with eval.harness.tasks, lm-evaluation-harness scores too (pipeline/evaluation/harness.py). The
 weights come from `checkpoint` (an export directory holding model.safetensors), else cfg.eval.checkpoint,
 else <run_dir>/export.
 """
@@ -172,7 +172,8 @@ def _evaluate(
             heldout[split] = run_perplexity(model, tokenizer, **ppl_args, split=split)
     harness = None
     if cfg.eval.harness.tasks:
-        from pipeline.harness import run_harness  # lm-eval + transformers (the hf extra): only when asked
+        # lm-eval + transformers (the hf extra): imported only when asked
+        from pipeline.evaluation.harness import run_harness
 
         harness = run_harness(model, tokenizer, index.eod_id, cfg.eval.harness, device=device, seed=cfg.seed)
     attn = model.cfg.attention
