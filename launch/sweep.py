@@ -223,11 +223,6 @@ def _check_shared_data(
         )
 
 
-def expand_sweep(path: str | Path) -> list[SweepRun]:
-    """The runs of a sweep file: one per grid point, in job-array order."""
-    return load_sweep(path).runs
-
-
 # -- running -----------------------------------------------------------------------------------------
 
 
