@@ -16,6 +16,7 @@ import torch
 from pipeline import distributed as dist_utils
 from pipeline.batches import Batch, MicroBatch, batch_to_xy
 from pipeline.checkpointer import TrainState
+from pipeline.deepspeed_internals import poisoned, skipped_steps
 from pipeline.guards import StepPolicy, drop_step
 from pipeline.loss import IGNORE_INDEX, lm_loss
 from pipeline.preemption import StopFlag
@@ -153,7 +154,7 @@ def train_step(
         if last and not bad and policy.spikes.is_spike(state, lm_sum / ga):
             bad, spike_loss = True, lm_sum / ga
             # ZeRO 1-3 drop a step through DeepSpeed's non-finite-norm check: make its gradients NaN.
-            loss = loss * float("nan")
+            loss = poisoned(loss)
         # ZeRO-0 keeps NaN out of the gradients (the step is discarded by hand); ZeRO 1-3 let it through
         # so DeepSpeed's own non-finite-norm skip drops the step and resets its buffers.
         if not bad or setup.zero_stage > 0:
@@ -168,9 +169,9 @@ def train_step(
         return StepResult(None, None, float("nan"), stop_req > 0, wait)
 
     own_norm = _grad_norm(engine) if setup.manual_norm else None
-    before = engine.skipped_steps
+    before = skipped_steps(engine)
     engine.step()
-    if engine.skipped_steps > before:  # DeepSpeed's own overflow check (inf/NaN grad norm)
+    if skipped_steps(engine) > before:  # DeepSpeed's own overflow check (inf/NaN grad norm)
         state.skipped += 1
     grad_norm = own_norm if setup.manual_norm else engine.get_global_grad_norm()
     loss_mean = lm_sum / ga
