@@ -257,13 +257,16 @@ def _archive_stale_training(run: RunDir, fingerprint: str) -> None:
 def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
     manifest and exports the final weights."""
-    from pipeline.distributed import barrier, init_distributed
+    from pipeline.distributed import barrier, describe_layout, init_distributed, rank_layout
     from pipeline.export import export
     from pipeline.train import exclusive_run_dir, train
 
     if not (cfg.data_dir / "index.json").is_file():
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
     info = init_distributed(cfg.parallel.backend)
+    layout = rank_layout()  # collective: every rank, before rank 0 alone takes the manifest
+    if info.rank == 0:
+        print(f"[train] {describe_layout(layout)}", flush=True)
     # The run dir's lock before anything is written: a second trainer must not rewrite the manifest or
     # config, nor archive the running trainer's checkpoints (train() takes the same lock, re-entrantly).
     with exclusive_run_dir(cfg.run_dir, info.rank == 0):
@@ -278,6 +281,7 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
             return train(cfg)
         with run.stage("train", inputs) as m:
             m.result = train(cfg)
+            m.result["distributed"] = layout
             ckpt = m.result.get("checkpoint")
             if ckpt:
                 export(cfg, Path(ckpt), export_dir(cfg))
