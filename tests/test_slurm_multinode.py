@@ -8,9 +8,8 @@ on a cluster with a shared /home, and only rank 0 writes the manifest, metrics a
   with 2 nodes x 2 workers under ZeRO-2 and with sequence parallelism over all 4 ranks (gloo), eval; the
   loss curve equals a one-process run with the same global batch; node names, ranks and the rendezvous
   in the logs and the manifest;
-- faults: a node lost mid-training (the surviving node's workers end within a stated time), the job
-  relaunched resumes from the last complete checkpoint with the same losses bit for bit; a node down at
-  submission (the job pends with a reason, then runs once the node is back); the rendezvous port taken.
+- faults: a node down at submission (the job pends with a reason naming the node, then runs once the
+  node is back).
 """
 
 from __future__ import annotations
@@ -28,11 +27,9 @@ import pytest
 from test_slurm import (
     CLUSTER,
     FAST_YAML,
-    TERMINAL,
     _free_port_pair,
     assert_completed,
     job_records,
-    tails,
     wait_done,
     wait_until,
 )
@@ -43,15 +40,7 @@ from pipeline.config import load_config
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 
 ROOT = Path(__file__).resolve().parents[1]
-# Holds a port on the first node, as a stray server would.
-SQUAT = (
-    "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen(); "
-    "print('ok', flush=True); time.sleep(300)"
-)
 NODES = ["fpanode1", "fpanode2"]
-# A lost node: the surviving workers see the connection reset (or, at worst, FPA_COLLECTIVE_TIMEOUT)
-# and the job must be over within this many seconds of the loss.
-LOST_NODE_DEADLINE = 90
 TOL = 2e-5  # fp32: one process vs 4 ranks at the same global batch (tests/test_train.py)
 
 
@@ -288,71 +277,6 @@ def test_sequence_parallel_across_the_two_nodes_matches_one_process(chain: dict,
 
 
 @pytest.mark.slow
-def test_node_lost_mid_training_ends_the_job_then_a_relaunch_resumes_the_same_curve(
-    cluster2: dict, chain: dict, fast_yaml: Path
-) -> None:
-    env, state = cluster2["env"], cluster2["dir"]
-    cfg = load_config([str(fast_yaml)], chain["over"])
-    over = two_node_overrides(
-        chain["runs"],
-        "lost",
-        f"data.out_dir={cfg.data_dir}",
-        "train.max_steps=300",
-        "train.checkpoint.every=20",
-        "train.checkpoint.keep_last=2",
-        "slurm.env.FPA_COLLECTIVE_TIMEOUT=60",
-        "slurm.env.PYTHONUNBUFFERED=1",
-    )
-    job, logs = submit_train(fast_yaml, over)
-    run_dir = chain["runs"] / "lost"
-    ckpts = run_dir / "checkpoints"
-    wait_until("a checkpoint", lambda: (ckpts / "latest").is_file(), 180, [logs], job)
-    wait_until("steps past it", lambda: max(losses(run_dir), default=0) >= 30, 60, [logs], job)
-    lost_at = time.monotonic()
-    kill = _cluster_cmd("kill-node", "fpanode2", str(state), env=env)
-    assert kill.returncode == 0, kill.stderr
-
-    def ended():
-        recs = job_records(job)
-        return recs if recs and recs[0].get("JobState") in TERMINAL | {"PENDING"} else None
-
-    recs = wait_until("the job to end after the node loss", ended, LOST_NODE_DEADLINE, [logs])
-    took = time.monotonic() - lost_at
-    assert recs[0]["JobState"] != "COMPLETED", recs
-    assert took < LOST_NODE_DEADLINE
-    # Bring the node back; Slurm either requeued the job (NODE_FAIL on a --requeue job) or it failed and
-    # we relaunch the same script: train.checkpoint.resume=auto continues from the last checkpoint.
-    up = _cluster_cmd("start-node", "fpanode2", str(state), env=env)
-    assert up.returncode == 0, up.stderr
-    wait_until(
-        "fpanode2 back", lambda: node_state("fpanode2").startswith(("idle", "mix", "alloc")), 60, [logs]
-    )
-    wait_until(
-        "the first attempt to end", lambda: (job_records(job) or [{}])[0].get("JobState") != "COMPLETING", 60
-    )
-    state_now = (job_records(job) or [{}])[0].get("JobState")
-    if state_now == "PENDING":
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
-        final = job
-    else:
-        final = sl.sbatch_submit(logs / "train.sbatch")
-    assert_completed(wait_done(final, 240, [logs]), [logs])
-    out = "".join(p.read_text() for p in sorted(logs.glob("train-*.out")))
-    m = re.search(r"resumed from \S+global_step(\d+) at step (\d+)", out)
-    assert m, tails([logs])
-    resumed_at = int(m.group(2))
-    curve = losses(run_dir)
-    assert sorted(curve) == list(range(1, 301))
-    replayed = [s for s, v in curve.items() if len(v) > 1]
-    assert replayed and min(replayed) == resumed_at + 1, (resumed_at, replayed[:5])
-    for s in replayed:  # steps computed before the loss and again after the resume: bit for bit
-        assert len(set(curve[s])) == 1, (s, curve[s])
-    meta = json.loads((ckpts / "global_step300" / "COMPLETE").read_text())
-    assert meta["world_size"] == 4
-    print(f"node lost: job ended {took:.1f} s after the loss; resumed at step {resumed_at}")
-
-
-@pytest.mark.slow
 def test_node_down_at_submission_pends_with_a_reason_then_runs(
     cluster2: dict, chain: dict, fast_yaml: Path
 ) -> None:
@@ -377,62 +301,10 @@ def test_node_down_at_submission_pends_with_a_reason_then_runs(
             30,
             [logs],
         )
-        assert rec["Reason"] in (
-            "Resources",
-            "ReqNodeNotAvail",
-            "Nodes_required_for_job_are_DOWN,_DRAINED_or_reserved_for_jobs_in_higher_priority_partitions",
-        ), rec
+        assert "UnavailableNodes:fpanode2" in rec["Reason"], rec  # says which node it waits for
         time.sleep(3)
         assert job_records(job)[0]["JobState"] == "PENDING"  # waits; it does not start on one node
     finally:
         subprocess.run(["scontrol", "update", "NodeName=fpanode2", "State=RESUME"], check=True)
     assert_completed(wait_done(job, 180, [logs]), [logs])
     del env, state
-
-
-@pytest.mark.slow
-def test_rendezvous_port_taken_fails_with_a_clear_reason(
-    cluster2: dict, chain: dict, fast_yaml: Path
-) -> None:
-    """Something else listens on slurm.rdzv_port on the first node: the job fails, saying so, in time."""
-    state = cluster2["dir"]
-    ns1 = (state / "nodes").read_text().split("\n")[0].split()[1]
-    port = _free_port_pair()
-    squatter = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            ns1,
-            sys.executable,
-            "-c",
-            SQUAT.format(port=port),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert squatter.stdout.readline().strip() == "ok"
-        cfg = load_config([str(fast_yaml)], chain["over"])
-        over = two_node_overrides(
-            chain["runs"],
-            "port",
-            f"data.out_dir={cfg.data_dir}",
-            "train.max_steps=2",
-            f"slurm.rdzv_port={port}",
-            "slurm.rdzv_timeout=30",
-        )
-        start = time.monotonic()
-        job, logs = submit_train(fast_yaml, over)
-        recs = wait_done(job, 150, [logs])
-        took = time.monotonic() - start
-    finally:
-        squatter.kill()
-        squatter.wait()
-    assert recs[0]["JobState"] == "FAILED", recs
-    err = "".join(p.read_text() for p in logs.glob("train-*.err")) + "".join(
-        p.read_text() for p in logs.glob("train-*.out")
-    )
-    assert re.search(r"address already in use|EADDRINUSE|port .* in use", err, re.I), err[-3000:]
-    assert took < 150
-    print(f"rendezvous port taken: job failed after {took:.1f} s")
