@@ -81,17 +81,17 @@ def parse_task(spec: str, key: str = "eval.long_context.tasks") -> TaskSpec:
     if name not in TASKS:
         close = difflib.get_close_matches(name, list(TASKS), n=2)
         hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-        raise ValueError(f"{key}: unknown task {spec!r}{hint}; tasks are {', '.join(TASKS)}")
+        raise ValueError(f"{key} has an unknown task {spec!r}{hint}; tasks are {', '.join(TASKS)}")
     default, smallest = TASKS[name]
     if not sep:
         return TaskSpec(name, default)
     if not size_text.isdigit():
-        raise ValueError(f"{key}: task {spec!r} must be {name} or {name}-N with N a whole number")
+        raise ValueError(f"{key} has task {spec!r}: write {name} or {name}-N with N a whole number")
     size = int(size_text)
     if name == "passkey" and size != 1:
-        raise ValueError(f"{key}: the passkey task has one needle; got {spec!r} (use multikey-{size})")
+        raise ValueError(f"{key} has task {spec!r}, but the passkey has one needle (use multikey-{size})")
     if size < smallest:
-        raise ValueError(f"{key}: task {spec!r} needs N >= {smallest}")
+        raise ValueError(f"{key} has task {spec!r}, which needs N >= {smallest}")
     return TaskSpec(name, size)
 
 
