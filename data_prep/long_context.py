@@ -327,3 +327,16 @@ def answer_rows(
         inputs.append(row[:-1])
         targets.append([IGNORE_INDEX] * (p - 1) + row[p:])
     return inputs, targets
+
+
+def check_task_rows(
+    tokenizer: TokenizerLike, spec: TaskSpec, min_len: int, digits: int, prefix_ids: Sequence[int]
+) -> None:
+    """Fail at the start of training, not at the phase's first step, when the shortest training prompt
+    cannot hold the task (a few draws: names and values change a needle's length by a token or two) or
+    the tokenizer cannot spell its answers."""
+    check_digits(tokenizer)
+    try:
+        answer_rows(tokenizer, spec, 8, min_len, digits=digits, rng=random.Random(0), prefix_ids=prefix_ids)
+    except TaskError as e:
+        raise TaskError(f"train.passkey.min_len={min_len}: {e}") from None

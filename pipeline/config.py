@@ -86,8 +86,14 @@ class PasskeyTrainConfig:
     # visible through a freshly initialized field's decay, so the copy is found sooner; the long prompts
     # that follow teach it at the training length (and hence beyond).
     ramp_steps: int = 0
+    # The prompts' task (data_prep/long_context.py): passkey, or multikey-K, multivalue-N, overwrite-N,
+    # vartrack-N, with the same answer-only loss and ramp; the eval report says which task was taught.
+    task: str = "passkey"
 
     def __post_init__(self) -> None:
+        from data_prep.long_context import parse_task
+
+        parse_task(self.task, "train.passkey.task")
         if self.ramp_steps < 0:
             raise ValueError(f"train.passkey.ramp_steps must be >= 0; got {self.ramp_steps}")
         if self.steps < 0:

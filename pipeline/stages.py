@@ -80,6 +80,7 @@ LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "qk_norm_scale"): 1.0,
     ("model", "attention", "log_scale_length"): None,
     ("train", "passkey", "ramp_steps"): 0,
+    ("train", "passkey", "task"): "passkey",
 }
 # Eval keys added later, likewise: an eval done before them is still done while they hold their defaults.
 LATER_EVAL_DEFAULTS: dict[tuple[str, ...], Any] = {

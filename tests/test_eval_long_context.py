@@ -235,3 +235,30 @@ def test_bad_tasks_are_one_line_errors(tmp_path: Path, data_dir: Path) -> None:
     export_random_model(cfg)
     with pytest.raises(lc.TaskError, match=r"multikey-16: a prompt of \d+ tokens cannot hold its 16 needles"):
         evaluate(cfg, logger=Logger())
+
+
+def test_report_says_which_task_was_taught(tmp_path: Path, data_dir: Path) -> None:
+    from pipeline.evaluation import evaluate, load_report
+
+    over = [*GRID, "eval.passkey.enabled=false", "eval.cache.evict=false", "eval.passkey.trials=1"]
+    over += ["eval.long_context.tasks=[overwrite-2,multikey-2]", "eval.long_context.depths=[0.5]"]
+    over += ["train.passkey.steps=3", "train.passkey.task=overwrite-2", "train.passkey.digits=2"]
+    cfg = run_cfg(tmp_path, data_dir, "taught", "softmax", over)
+    export_random_model(cfg)
+    evaluate(cfg, logger=Logger())
+    rep = load_report(cfg.run_dir)
+    assert rep["passkey_training"]["task"] == "overwrite-2"
+    assert {k: t["taught"] for k, t in rep["long_context"].items()} == {
+        "overwrite-2": True,
+        "multikey-2": False,
+    }
+    assert rep["long_context"]["overwrite-2"]["accuracy_compressed"] is None  # softmax never evicts
+    md = (cfg.run_dir / "eval" / "report.md").read_text()
+    assert "- long-context training: the last 3 steps added 8 overwrite-2 prompts" in md
+    assert "## Long-context task overwrite-2 (taught in training)" in md
+    assert "## Long-context task multikey-2 (not taught in training)" in md
+    # The passkey phase's report line and keys are what they were.
+    pk = run_cfg(tmp_path, data_dir, "pk", "softmax", [*over[:-2], "train.passkey.steps=3"])
+    from pipeline.evaluation import _passkey_training
+
+    assert _passkey_training(pk) == {"steps": 3, "batch": 8, "weight": 1.0, "digits": 5}

@@ -24,7 +24,7 @@ from data_prep.prepare import source_summary
 from data_prep.tokenizer import load_tokenizer
 from fpa_model.cache import EvictionPolicy
 from pipeline.config import ConfigError, RunConfig
-from pipeline.evaluation.long_context import report_section, run_long_context
+from pipeline.evaluation.long_context import report_section, run_long_context, taught_task
 from pipeline.evaluation.passkey import run_passkey
 from pipeline.evaluation.perplexity import run_perplexity
 from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_reports, load_report, write_report
@@ -110,7 +110,10 @@ def _passkey_training(cfg: RunConfig) -> dict[str, Any] | None:
     if not pk.steps:
         return None
     batch = pk.batch or cfg.train.micro_batch
-    return {"steps": pk.steps, "batch": batch, "weight": pk.weight, "digits": pk.digits}
+    out = {"steps": pk.steps, "batch": batch, "weight": pk.weight, "digits": pk.digits}
+    if pk.task != "passkey":  # a passkey phase's report keeps the keys it always had
+        out["task"] = taught_task(pk.task)
+    return out
 
 
 def _evaluate(
@@ -157,7 +160,7 @@ def _evaluate(
             cache_cfg=cfg.eval.cache,
             out_dir=out_dir,
             prefix_ids=[index.eod_id],
-            taught="passkey" if cfg.train.passkey.steps else None,
+            taught=taught_task(cfg.train.passkey.task) if cfg.train.passkey.steps else None,
             logger=logger,
             device=device,
         )
