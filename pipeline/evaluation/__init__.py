@@ -24,7 +24,12 @@ from data_prep.prepare import source_summary
 from data_prep.tokenizer import load_tokenizer
 from fpa_model.cache import EvictionPolicy
 from pipeline.config import ConfigError, RunConfig
-from pipeline.evaluation.long_context import report_section, run_long_context, taught_task
+from pipeline.evaluation.long_context import (
+    report_section,
+    run_long_context,
+    taught_task,
+    write_harness_tasks,
+)
 from pipeline.evaluation.passkey import run_passkey
 from pipeline.evaluation.perplexity import run_perplexity
 from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_reports, load_report, write_report
@@ -163,6 +168,16 @@ def _evaluate(
             taught=taught_task(cfg.train.passkey.task) if cfg.train.passkey.steps else None,
             logger=logger,
             device=device,
+        )
+        # The same prompts as lm-eval tasks (eval.harness.include_path may name this folder).
+        write_harness_tasks(
+            tokenizer,
+            seq_len=seq_len,
+            lc=cfg.eval.long_context,
+            pk=cfg.eval.passkey,
+            eod_token=tokenizer.id_to_token(index.eod_id),
+            prefix_ids=[index.eod_id],
+            out_dir=out_dir / "lm_eval",
         )
     # Every held-out split is read the same way; the evicting cache is measured on "validation" alone.
     ppl_args = {

@@ -203,3 +203,111 @@ def report_section(result: dict[str, Any] | None) -> dict[str, Any] | None:
             },
         }
     return out
+
+
+# -- lm-evaluation-harness ------------------------------------------------------------------------------
+# The same prompts as lm-eval tasks over local files: one jsonl of documents and one task YAML per task,
+# and utils.py, whose process_results scores with data_prep.long_context (the same exact match).
+
+HARNESS_UTILS = '''"""Scoring of the fpa long-context tasks (written by fpa eval): exact match."""
+
+from data_prep.long_context import parse_items, parse_task
+
+
+def process_results(doc, results):
+    expected = tuple(doc["expected"])
+    return {"acc": float(parse_items(parse_task(doc["task"]), results[0], len(expected)) == expected)}
+'''
+
+
+def harness_task_name(task_id: str) -> str:
+    """The lm-eval task name of a long-context task: fpa_multikey_4, fpa_passkey, ..."""
+    return "fpa_" + task_id.replace("-", "_")
+
+
+def harness_documents(
+    tokenizer: TokenizerLike,
+    spec: tasks.TaskSpec,
+    settings: dict[str, Any],
+    lengths: list[int],
+    prefix_ids: list[int],
+) -> list[dict[str, Any]]:
+    """The grid's prompts (every length, depth and trial, in cell order) as text documents. The text
+    encodes back to exactly the grid's token ids (checked), end-of-document token included."""
+    digits, budget = settings["digits"], tasks.answer_budget(spec, settings["digits"])
+    docs = []
+    for L in lengths:
+        for d in settings["depths"]:
+            rng = cell_rng(settings["seed"], spec, L, d)
+            for trial in range(settings["trials"]):
+                p = tasks.task_prompt(
+                    tokenizer, spec, L - budget, d, rng, digits=digits, prefix_ids=prefix_ids
+                )
+                text = tokenizer.decode(p.ids, skip_special_tokens=False)  # type: ignore[call-arg]
+                if tasks.encode(tokenizer, text) != p.ids:
+                    raise tasks.TaskError(
+                        f"task {spec.id}: the prompt at length {L}, depth {d}, trial {trial} does not encode "
+                        "back to the same tokens as text, so lm-eval would read another prompt"
+                    )
+                docs.append(
+                    {
+                        "task": spec.id,
+                        "length": L,
+                        "depth": d,
+                        "prompt": text,
+                        "expected": list(p.answer),
+                        "answer": p.instance.answer_text,
+                    }
+                )
+    return docs
+
+
+def write_harness_tasks(
+    tokenizer: TokenizerLike,
+    *,
+    seq_len: int,
+    lc: LongContextConfig,
+    pk: PasskeyConfig,
+    eod_token: str,
+    prefix_ids: list[int],
+    out_dir: Path,
+) -> list[str]:
+    """A folder of lm-eval tasks, one per eval.long_context task, for `lm_eval --include_path out_dir`;
+    returns their names. Generation: greedy, the grid's answer budget, stopped at the end-of-document
+    token (the grid decodes the whole budget: an answer after an end-of-document token counts only there)."""
+    s = resolved(lc, pk)
+    lengths = passkey_lengths(seq_len, s["length_multipliers"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for text in lc.tasks:
+        spec = tasks.parse_task(text)
+        name = harness_task_name(spec.id)
+        docs = harness_documents(tokenizer, spec, s, lengths, prefix_ids)
+        data = (out_dir / f"{name}.jsonl").resolve()
+        atomic_write_text(data, "".join(json.dumps(doc) + "\n" for doc in docs))
+        stop = json.dumps(eod_token)
+        cells = f"{len(docs)} prompts, {s['trials']} per length x depth cell"
+        yaml = f"""# fpa long-context task {spec.id}: {cells}
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {json.dumps(str(data))}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: [{stop}]
+  max_gen_toks: {tasks.answer_budget(spec, s["digits"])}
+  do_sample: false
+process_results: !function utils.process_results
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+        atomic_write_text(out_dir / f"{name}.yaml", yaml)
+        names.append(name)
+    atomic_write_text(out_dir / "utils.py", HARNESS_UTILS)
+    return names
