@@ -86,8 +86,14 @@ class PasskeyTrainConfig:
     # visible through a freshly initialized field's decay, so the copy is found sooner; the long prompts
     # that follow teach it at the training length (and hence beyond).
     ramp_steps: int = 0
+    # The prompts' task (data_prep/long_context.py): passkey, or multikey-K, multivalue-N, overwrite-N,
+    # vartrack-N, with the same answer-only loss and ramp; the eval report says which task was taught.
+    task: str = "passkey"
 
     def __post_init__(self) -> None:
+        from data_prep.long_context import parse_task
+
+        parse_task(self.task, "train.passkey.task")
         if self.ramp_steps < 0:
             raise ValueError(f"train.passkey.ramp_steps must be >= 0; got {self.ramp_steps}")
         if self.steps < 0:
@@ -300,6 +306,35 @@ class HarnessConfig:
 
 
 @dataclass
+class LongContextConfig:
+    """Long-context tasks beyond one passkey (data_prep/long_context.py), each a grid like the passkey's:
+    lengths x needle depths, full and evicting cache (pipeline/evaluation/long_context.py). No tasks: off."""
+
+    # passkey, multikey-K, multivalue-N, overwrite-N, vartrack-N (a bare name takes the default size)
+    tasks: list[str] = field(default_factory=list)
+    length_multipliers: list[float] | None = None  # x data.seq_len; None: eval.passkey.length_multipliers
+    depths: list[float] | None = None  # target needle depth in [0, 1]; None: eval.passkey.depths
+    trials: int | None = None  # prompts per cell; None: eval.passkey.trials
+    digits: int | None = None  # digits of every value; None: eval.passkey.digits
+    seed: int = 0  # prompt sampling seed: the same prompts for every run that shares it
+
+    def __post_init__(self) -> None:
+        from data_prep.long_context import parse_task
+
+        ids = [parse_task(t, "eval.long_context.tasks").id for t in self.tasks]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"eval.long_context.tasks names a task twice: {list(self.tasks)}")
+        for key in ("trials", "digits"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"eval.long_context.{key} must be >= 1; got {getattr(self, key)}")
+        m = self.length_multipliers
+        if m is not None and (not m or any(x <= 0 for x in m)):
+            raise ValueError(f"eval.long_context.length_multipliers must be > 0; got {list(m)}")
+        if self.depths is not None and (not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths)):
+            raise ValueError(f"eval.long_context.depths must lie in [0, 1]; got {list(self.depths)}")
+
+
+@dataclass
 class EvalConfig:
     checkpoint: str | None = None  # None: the run's export (<run_dir>/export), else an export dir
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
@@ -309,6 +344,7 @@ class EvalConfig:
     ppl_sequences: int = 32  # windows per length (consecutive held-out sequences joined end to end)
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     harness: HarnessConfig = field(default_factory=HarnessConfig)
+    long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
     def __post_init__(self) -> None:
         if self.ppl_bucket < 1 or self.ppl_sequences < 1:

@@ -17,7 +17,7 @@ from typing import Any
 from data_prep.config import data_config_dict
 from data_prep.index import sha256_file
 from data_prep.prepare import data_problem, prepare_data, prepare_part, prepare_plan, reusable_data
-from pipeline.config import ConfigError, RunConfig, derive, from_yaml_text
+from pipeline.config import ConfigError, LongContextConfig, RunConfig, derive, from_yaml_text
 from pipeline.rundir import STAGES, RunDir, hash_outputs, sha256_json
 
 # The training and evaluation modules import torch and deepspeed (seconds): run_train / run_eval import
@@ -80,15 +80,21 @@ LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "qk_norm_scale"): 1.0,
     ("model", "attention", "log_scale_length"): None,
     ("train", "passkey", "ramp_steps"): 0,
+    ("train", "passkey", "task"): "passkey",
+}
+# Eval keys added later, likewise: an eval done before them is still done while they hold their defaults.
+LATER_EVAL_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("eval", "long_context"): dataclasses.asdict(LongContextConfig()),
 }
 
 
-def _drop_later_defaults(inputs: dict[str, Any]) -> None:
-    for *parents, key in LATER_TRAIN_DEFAULTS:
+def _drop_later_defaults(inputs: dict[str, Any], later: dict[tuple[str, ...], Any] | None = None) -> None:
+    later = LATER_TRAIN_DEFAULTS if later is None else later
+    for *parents, key in later:
         node: Any = inputs
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and key in node and node[key] == LATER_TRAIN_DEFAULTS[(*parents, key)]:
+        if isinstance(node, dict) and key in node and node[key] == later[(*parents, key)]:
             del node[key]
 
 
@@ -127,8 +133,10 @@ def export_dir(cfg: RunConfig) -> Path:
 def eval_inputs(cfg: RunConfig, checkpoint: Path | None) -> dict[str, Any]:
     export = checkpoint or export_dir(cfg)
     weights = export / "model.safetensors"
+    inputs = {"eval": _asdict(cfg.eval)}
+    _drop_later_defaults(inputs, LATER_EVAL_DEFAULTS)
     return {
-        "eval": _asdict(cfg.eval),
+        "eval": inputs["eval"],
         "data": {"seq_len": cfg.data.seq_len},
         "weights": sha256_file(weights) if weights.is_file() else "missing",
         "model": _export_model(export),
