@@ -138,7 +138,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     zero_stage: int = 0
-    # auto: bf16 on CUDA where zero_stage >= 1, else fp32 (resolve_precision; load_config records the result)
+    # auto: bf16 on CUDA, fp32 on CPU (resolve_precision; load_config records the result). bf16 at ZeRO 1-3
+    # is DeepSpeed's bf16 mode (fp32 master weights and gradient accumulation); at ZeRO-0, torch autocast
+    # over fp32 weights and gradients (pipeline.step.autocast).
     precision: str = "auto"  # auto | fp32 | bf16
     nan_policy: str = "skip"  # skip (drop the step, record it) | stop
     max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss (or spikes)
@@ -160,8 +162,6 @@ class TrainConfig:
             raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision must be auto, fp32 or bf16; got {self.precision!r}")
-        if self.precision == "bf16" and self.zero_stage == 0:
-            raise ValueError(_BF16_ZERO0)
         if self.nan_policy not in ("skip", "stop"):
             raise ValueError(f"train.nan_policy must be skip or stop; got {self.nan_policy!r}")
         if self.schedule not in ("cosine", "wsd"):
@@ -193,14 +193,6 @@ class TrainConfig:
             raise ValueError(f"train.betas must be two values in [0, 1); got {list(self.betas)}")
 
 
-# One line: why ZeRO-0 cannot train in bf16 here, and the two settings that fix it.
-_BF16_ZERO0 = (
-    "train.precision=bf16 needs train.zero_stage >= 1: DeepSpeed's ZeRO-0 sums the micro-batch gradients "
-    "in bf16, which drifts away from fp32 training, while stages 1-3 accumulate them in fp32 (ZeRO-1 costs "
-    "nothing extra on one rank); set train.zero_stage=1, or train.precision=auto to pick fp32 here"
-)
-
-
 def _cuda_available() -> bool:
     import torch  # here, not at module level: loading a config should not need torch otherwise
 
@@ -208,19 +200,11 @@ def _cuda_available() -> bool:
 
 
 def resolve_precision(train: TrainConfig, cuda: bool | None = None) -> str:
-    """The precision `train.precision` stands for: auto is bf16 on CUDA where train.zero_stage >= 1 allows
-    it (see _BF16_ZERO0), else fp32; fp32 and bf16 are kept. cuda=None asks torch."""
+    """The precision `train.precision` stands for: auto is bf16 on CUDA (every ZeRO stage) and fp32 on the
+    CPU; fp32 and bf16 are kept. cuda=None asks torch."""
     if train.precision != "auto":
         return train.precision
-    if not (_cuda_available() if cuda is None else cuda):
-        return "fp32"
-    if train.zero_stage == 0:
-        log.warning(
-            "train.precision=auto trains in fp32 on this GPU because train.zero_stage=0 cannot accumulate "
-            "bf16 gradients in fp32; set train.zero_stage=1 for bf16"
-        )
-        return "fp32"
-    return "bf16"
+    return "bf16" if (_cuda_available() if cuda is None else cuda) else "fp32"
 
 
 @dataclass
