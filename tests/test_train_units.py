@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import checkpoint as ck
 from pipeline import distributed as du
-from pipeline.config import RunConfig, derive, load_config
+from pipeline.config import ConfigError, RunConfig, derive, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -323,3 +323,28 @@ def test_targeted_only_loss_equals_the_full_logits_loss(chunk_tokens):
     logits = model(x).double()
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
     assert torch.allclose(part.double(), ref, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The passkey phase on a tokenizer of another corpus
+
+
+def test_a_passkey_min_len_too_short_for_the_tokenizer_says_what_fits(tmp_path):
+    """A tokenizer trained on text unlike the English passkey prompt (here: word runs like "w12") takes
+    many tokens for the needle and question: one line before training naming the min_len that fits."""
+    from test_train_support import prepare_word_corpus
+
+    from pipeline.batches import PasskeyBatches
+
+    data = prepare_word_corpus(tmp_path)
+    over = [f"data.out_dir={data}", "data.seq_len=32", "train.passkey.steps=1", "train.passkey.max_len=1024"]
+    cfg = load_config([], [*over, "train.passkey.min_len=16"])
+    with pytest.raises(ConfigError) as e:
+        PasskeyBatches(cfg, derive(cfg), 0)
+    msg = str(e.value)
+    assert msg.startswith("train.passkey.min_len=16 is too short for this tokenizer")
+    fix = int(msg.split("set train.passkey.min_len=")[1].split()[0])
+    assert fix % 16 == 0 and fix > 16
+    cfg = load_config([], [*over, f"train.passkey.min_len={fix}"])
+    x, y = PasskeyBatches(cfg, derive(cfg), 0).batch(0, 0)  # the shortest prompt now fits
+    assert x.shape[1] >= fix
