@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import Derived, RunConfig
+from pipeline.config import ConfigError, Derived, RunConfig
 from pipeline.errors import TrainingError
 
 LoaderFactory = Callable[[RunConfig, str, int, int], Any]
@@ -90,8 +90,29 @@ class PasskeyBatches:
         self.seed, self.dp_rank = cfg.seed, dp_rank
         self.start, self.ramp = start, cfg.train.passkey.ramp_steps  # start: the phase's first step
         self.task = parse_task(cfg.train.passkey.task, "train.passkey.task")
-        if self.task.name != "passkey":  # the passkey's rows stay data_prep.passkey.answer_rows, unchecked
+        if self.task.name != "passkey":  # the passkey's rows stay data_prep.passkey.answer_rows
             check_task_rows(self.tokenizer, self.task, self.lo, self.digits, self.prefix)
+        else:
+            self._check_fits()
+
+    def _check_fits(self) -> None:
+        """The shortest prompt must hold the needle, question and answer in this tokenizer's tokens: a
+        tokenizer trained on another language or on code takes more of them than on English text."""
+        from data_prep.passkey import NEEDLE, QUESTION, answer_text, encode
+
+        need = 0
+        for key in (10 ** (self.digits - 1), 10**self.digits - 1):
+            parts = (" " + NEEDLE.format(key=key), " " + QUESTION, answer_text(key))
+            need = max(need, len(self.prefix) - 1 + sum(len(encode(self.tokenizer, t)) for t in parts))
+        shortest = -(-self.lo // self.multiple) * self.multiple
+        if shortest < need:
+            fix = -(-need // self.multiple) * self.multiple
+            raise ConfigError(
+                f"train.passkey.min_len={self.lo} is too short for this tokenizer: a passkey prompt's "
+                f"needle, question and answer take {need} of its tokens; set train.passkey.min_len={fix} "
+                f"(or more), "
+                f"or train.passkey.steps=0 to train without the passkey phase"
+            )
 
     def max_length(self, step: int) -> int:
         """The longest prompt length allowed at optimizer step `step` (the ramp; then max_len)."""

@@ -247,25 +247,52 @@ def run_prepare(
     return m.result
 
 
-def _archive_stale_training(run: RunDir, fingerprint: str) -> None:
-    """A changed training config starts from scratch: move the old checkpoints aside, never delete them."""
+def _archive_stale_training(run: RunDir, inputs: dict[str, Any]) -> None:
+    """A changed training config (pipeline.continuation): keys that shape only the steps to come continue
+    from the latest checkpoint; keys the checkpoints depend on move them aside (never deleted) and start
+    over, saying which keys changed and how to continue the old run instead."""
+    from pipeline.checkpoint import complete_checkpoints, find_latest, read_meta
+    from pipeline.continuation import check_steps, continue_instead, decide, describe, lr_note
+
     prev = run.read_manifest("train")
-    if prev is None or prev.fingerprint == fingerprint:
+    if prev is None or prev.fingerprint == sha256_json(inputs):
         return
-    stale = [p for p in (run.path / "checkpoints", run.path / "export", run.path / "wandb_id") if p.exists()]
+    decision = decide(prev.inputs, inputs)
+    root = run.path / "checkpoints"
+    if decision.continues:
+        latest = find_latest(root)
+        if latest is None:
+            return
+        step = int((read_meta(latest) or {}).get("step", 0))
+        check_steps(step, run.cfg.train, complete_checkpoints(root))
+        log.info(
+            "training config changed in keys that shape only the steps to come (%s): continuing from "
+            "the latest checkpoint (step %d)%s",
+            describe(decision.changed),
+            step,
+            lr_note(prev.inputs.get("train", {}), run.cfg.train, step),
+        )
+        return
+    stale = [p for p in (root, run.path / "export", run.path / "wandb_id") if p.exists()]
     if not stale:
         return
     dest = run.path / "archive" / time.strftime("train-%Y%m%d-%H%M%S")
     dest.mkdir(parents=True)
     for p in stale:
         shutil.move(str(p), dest / p.name)
-    log.info("training config changed: moved the previous checkpoints to %s", dest)
+    log.warning(
+        "training config changed in keys the checkpoints depend on (%s): moved the previous checkpoints "
+        "to %s and training starts over; %s",
+        describe(decision.changed, decision.restart_keys),
+        dest,
+        continue_instead(decision, dest),
+    )
 
 
 def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
     manifest and exports the final weights."""
-    from pipeline.distributed import barrier, describe_layout, init_distributed, rank_layout
+    from pipeline.distributed import barrier, broadcast_object, describe_layout, init_distributed, rank_layout
     from pipeline.export import export
     from pipeline.train import exclusive_run_dir, train
 
@@ -282,8 +309,15 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
         inputs = train_inputs(cfg, info.world_size)
         if _skip(run, "train", inputs, force):
             return run.read_manifest("train").result  # type: ignore[union-attr]
+        refused = None
         if info.rank == 0 and cfg.train.checkpoint.resume == "auto":
-            _archive_stale_training(run, sha256_json(inputs))
+            try:
+                _archive_stale_training(run, inputs)
+            except ConfigError as e:  # every rank stops with it, none waits at the barrier
+                refused = str(e)
+        refused = broadcast_object(refused)
+        if refused:
+            raise ConfigError(refused)
         barrier()
         if info.rank != 0:
             return train(cfg)

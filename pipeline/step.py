@@ -7,6 +7,7 @@ updates at the accumulation boundary (the last micro batch), before that it adva
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +48,20 @@ class StepSetup:
 
     @property
     def manual_norm(self) -> bool:
-        """ZeRO-0 fp32 clips without recording the norm: the step takes it pre-clip itself."""
-        return self.zero_stage == 0 and self.precision == "fp32"
+        """ZeRO-0 (fp32, or bf16 autocast over fp32 weights) clips without recording the norm: the step
+        takes it pre-clip itself."""
+        return self.zero_stage == 0
+
+
+def autocast(device: torch.device, precision: str, zero_stage: int) -> contextlib.AbstractContextManager[Any]:
+    """The forward's context: bf16 autocast where bf16 runs at ZeRO-0, else nothing.
+
+    DeepSpeed's bf16 mode (ZeRO 1-3) keeps the module in bf16 with fp32 master weights in the optimizer; at
+    ZeRO-0 it would sum gradients in bf16, so there the module, its gradients and the optimizer stay fp32
+    and torch autocast runs the matmuls in bf16 (the loss is fp32 either way, pipeline.loss).
+    """
+    on = precision == "bf16" and zero_stage == 0
+    return torch.autocast(device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
 
 @dataclass
@@ -123,13 +136,15 @@ def train_step(
     bad, spike_loss, lm_sum, pk_sum, stop_req, wait, in_phase = False, None, 0.0, 0.0, 0.0, 0.0, False
     for i, micro in enumerate(micro_batches):
         wait += micro.wait
-        loss, _ = micro_loss(engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens)
+        with autocast(setup.device, setup.precision, setup.zero_stage):
+            loss, _ = micro_loss(engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens)
         lm_value, pk_value = loss.item(), 0.0
         if micro.passkey is not None:  # the passkey phase adds answer-only rows
             in_phase = True
-            pk_loss, _ = micro_loss(
-                engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
-            )
+            with autocast(setup.device, setup.precision, setup.zero_stage):
+                pk_loss, _ = micro_loss(
+                    engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
+                )
             pk_value = pk_loss.item()
             loss = loss + setup.passkey_weight * pk_loss
         # One collective per micro step: [finite LM loss sum, non-finite count, stop request, passkey sum].
