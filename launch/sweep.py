@@ -19,7 +19,7 @@ first (or, with data.prepare_parts > 1, a plan job, a job array of parts and a m
 training job array whose element i trains run i (its overrides are line i of
 <runs_dir>/sweeps/<name>/slurm/runs.tsv), and an eval job array whose element i starts once training
 element i succeeded (aftercorr). `collect_sweep` reads every run's eval/report.json into
-results.md, results.csv and results.png in the same folder.
+results.md, results.csv, results.png and results-grouped.png (launch/sweep_plots.py) in the same folder.
 """
 
 from __future__ import annotations
@@ -372,6 +372,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     results.json (the table with the collect command, commit and machine, and the commit each run was
     trained at) under `out`, default <runs_dir>/sweeps/<name>/ (missing values show as "-"); return it."""
     # Here, not at the top: the evaluation package imports torch, which launching does not otherwise need.
+    from launch.sweep_plots import plot_grouped, run_series
     from pipeline.evaluation.report import (
         METRICS,
         check_report,
@@ -391,6 +392,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     short = _short_keys(keys)
     table: list[dict[str, Any]] = []
     curves: dict[str, tuple[list[float], list[float]]] = {}
+    reports: list[dict[str, Any] | None] = []
     complete: list[Path] = []  # runs whose report passes the strict schema check, for the detail tables
     # Extra columns found in the reports: eval loss per held-out split, lm-eval scores (eval.harness),
     # long-context task accuracies (eval.long_context).
@@ -398,6 +400,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     for run in sweep.runs:
         report_path = run.run_dir / "eval" / "report.json"
         status, report = read_report(report_path)
+        reports.append(report)
         harness = {**heldout_metrics(report), **harness_metrics(report), **long_context_metrics(report)}
         harness_cols += [c for c in harness if c not in harness_cols]
         grid_values = {short[k]: run.values[k] for k in keys}
@@ -456,6 +459,16 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     }
     (out_dir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     _plot(out_dir / "results.png", sweep.name, table, curves)
+    # Grouped by the swept axis (the grid values but the seed): mean +- 1 std over seeds per group.
+    by = [k for k in keys if k != "seed"]
+    grouped = [
+        (
+            ", ".join(f"{short[k]}={format_value(run.values[k])}" for k in by) or sweep.name,
+            run_series(run.run_dir, rep),
+        )
+        for run, rep in zip(sweep.runs, reports)
+    ]
+    plot_grouped(out_dir / "results-grouped.png", sweep.name, grouped)
     return out_dir
 
 
