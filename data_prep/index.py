@@ -151,3 +151,16 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+_SHA_CACHE: dict[tuple[str, int, int, int], str] = {}
+
+
+def sha256_cached(path: Path) -> str:
+    """sha256_file remembered per (path, inode, size, mtime) for this process: a stage checks the same
+    export or index several times (its fingerprint, the producer's record, the checksums), hashing once."""
+    st = Path(path).stat()
+    k = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if k not in _SHA_CACHE:
+        _SHA_CACHE[k] = sha256_file(path)
+    return _SHA_CACHE[k]

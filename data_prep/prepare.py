@@ -38,7 +38,15 @@ import numpy as np
 from data_prep import passkey
 from data_prep.config import DataConfig, SourceConfig, data_config_dict
 from data_prep.errors import DataError
-from data_prep.index import INDEX_FILE, TOKENIZER_FILE, DataIndex, load_index, sha256_file, write_index
+from data_prep.index import (
+    INDEX_FILE,
+    TOKENIZER_FILE,
+    DataIndex,
+    load_index,
+    sha256_cached,
+    sha256_file,
+    write_index,
+)
 from data_prep.shards import SplitWriter, TokenizerPool, pick_dtype, tokenize_stream
 from data_prep.sources import describe_source, iter_documents, source_label
 from data_prep.tokenizer import eod_id, read_tokenizer_file, tokenizer_json, train_tokenizer
@@ -86,27 +94,45 @@ def _cached_sha256(path: Path) -> str:
     return _SHA_CACHE[k]
 
 
-def data_problem(cfg: DataConfig, out_dir: Path) -> str | None:
-    """Why out_dir is not a complete prepared directory made from this config and these sources (None: it
-    is). Checks the index, the tokenizer's hash and every shard's presence and size (not the shards'
-    hashes: reading a whole corpus per check would be too slow; every read verifies them)."""
+def consumable_problem(cfg: DataConfig, out_dir: Path) -> str | None:
+    """Why a stage that reads out_dir (training, evaluation, the exports) must not read it under this
+    config (None: it may): the index unreadable or changed since prepare wrote it, another content config
+    (tokenizer, vocabulary, sequence packing...), or a tokenizer.json that is not the one the index
+    records. Unlike data_problem, the corpus the data came from need not be there any more."""
     try:
         index = load_index(out_dir)
     except DataError as e:
         return str(e)
     marker = _read_marker(out_dir)  # absent in directories from before the marker: the index alone
-    if marker is not None and marker.get("index_sha256") != sha256_file(out_dir / INDEX_FILE):
+    if marker is not None and marker.get("index_sha256") != sha256_cached(out_dir / INDEX_FILE):
         return f"{out_dir / INDEX_FILE} changed since fpa prepare wrote it"
     if index.config != content_config(cfg):
         return f"{out_dir} was prepared with another content config ({_config_diff(index.config, cfg)})"
+    tok = out_dir / TOKENIZER_FILE
+    if not tok.is_file():
+        return f"{tok} is missing"
+    found = sha256_cached(tok)
+    if found != index.tokenizer_sha256:
+        return (
+            f"{tok} is not the tokenizer index.json records (sha256 {index.tokenizer_sha256[:12]} recorded, "
+            f"{found[:12]} found): the shards' token ids belong to another tokenizer"
+        )
+    return None
+
+
+def data_problem(cfg: DataConfig, out_dir: Path) -> str | None:
+    """Why out_dir is not a complete prepared directory made from this config and these sources (None: it
+    is). Checks consumable_problem, the sources and every shard's presence and size (not the shards'
+    hashes: reading a whole corpus per check would be too slow; every read verifies them)."""
+    problem = consumable_problem(cfg, out_dir)
+    if problem is not None:
+        return problem
+    index = load_index(out_dir)
     try:
         if index.sources != _describe_sources(cfg):
             return f"{out_dir} was prepared from other source files"
     except DataError as e:
         return str(e)
-    tok = out_dir / TOKENIZER_FILE
-    if not tok.is_file() or sha256_file(tok) != index.tokenizer_sha256:
-        return f"{tok} is missing or does not match index.json"
     for shards in index.splits.values():
         for s in shards:
             p = out_dir / s.file

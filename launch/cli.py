@@ -31,6 +31,7 @@ from launch.sweep import collect_sweep, run_sweep
 from pipeline.config import ConfigError, RunConfig, derive, load_config, to_yaml
 from pipeline.generate import add_parser as add_generate_parser
 from pipeline.stages import STAGES, export_dir, run_eval, run_prepare, run_train
+from pipeline.upstream import check_checkpoint, check_data, check_export
 
 # The CLI sits above every layer (launch -> pipeline -> fpa_model, data_prep). Modules that import torch or
 # deepspeed (checkpoint, export, train, the synthetic experiment) are imported inside the commands that
@@ -89,12 +90,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     if ckpt is None:
         raise ConfigError(f"no complete checkpoint under {cfg.run_dir / 'checkpoints'}")
     if args.format == "hf":  # --checkpoint may also name an export dir (model.safetensors + config.yaml)
-        from pipeline.export import export_hf
+        from pipeline.export import WEIGHTS, export_hf
 
-        out = export_hf(cfg, ckpt, Path(args.out) if args.out else cfg.run_dir / "export-hf")
-        print(out)
+        out = Path(args.out) if args.out else cfg.run_dir / "export-hf"
+        check_data(cfg)  # the tokenizer the HF directory ships
+        if (ckpt / WEIGHTS).is_file():
+            check_export(cfg, ckpt, explicit=bool(args.checkpoint))
+        else:
+            check_checkpoint(cfg, ckpt, out, explicit_out=bool(args.out))
+        print(export_hf(cfg, ckpt, out))
         return 0
-    out = export(cfg, ckpt, Path(args.out) if args.out else export_dir(cfg))
+    out = Path(args.out) if args.out else export_dir(cfg)
+    check_checkpoint(cfg, ckpt, out, explicit_out=bool(args.out))
+    out = export(cfg, ckpt, out)
     print(out)
     return 0
 

@@ -103,12 +103,15 @@ def generate_text(
     from fpa_model.cache import EvictionPolicy, generate
     from pipeline.evaluation import pick_device, resolve_weights
     from pipeline.export import load_exported
+    from pipeline.upstream import check_data, check_export
 
     out = out if out is not None else sys.stdout
     _check_args(max_new_tokens, temperature, top_k)
     if not prompt.strip():
         raise GenerateError("the prompt is empty")
     weights = resolve_weights(cfg, checkpoint)  # EvalError (one line) when there is no export
+    check_data(cfg)
+    check_export(cfg, weights, explicit=bool(checkpoint or cfg.eval.checkpoint))
     index = load_index(cfg.data_dir)
     tokenizer = load_tokenizer(cfg.data_dir)
     ids = [index.eod_id, *tokenizer.encode(prompt).ids]

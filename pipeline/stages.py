@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.config import data_config_dict
-from data_prep.index import sha256_file
+from data_prep.index import sha256_cached, sha256_file
 from data_prep.prepare import data_problem, prepare_data, prepare_part, prepare_plan, reusable_data
 from pipeline.config import ConfigError, LongContextConfig, RunConfig, derive, from_yaml_text
 from pipeline.rundir import STAGES, RunDir, hash_outputs, sha256_json
+from pipeline.upstream import check_data, check_export
 
 # The training and evaluation modules import torch and deepspeed (seconds): run_train / run_eval import
 # them when they run, so that `fpa prepare`, `fpa print-config` and the launchers start without them.
@@ -138,7 +139,7 @@ def eval_inputs(cfg: RunConfig, checkpoint: Path | None) -> dict[str, Any]:
     return {
         "eval": inputs["eval"],
         "data": {"seq_len": cfg.data.seq_len},
-        "weights": sha256_file(weights) if weights.is_file() else "missing",
+        "weights": sha256_cached(weights) if weights.is_file() else "missing",
         "model": _export_model(export),
     }
 
@@ -298,6 +299,7 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
 
     if not (cfg.data_dir / "index.json").is_file():
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
+    check_data(cfg)  # the data prepare recorded, under this config's content keys (pipeline.upstream)
     info = init_distributed(cfg.parallel.backend)
     layout = rank_layout()  # collective: every rank, before rank 0 alone takes the manifest
     if info.rank == 0:
@@ -333,8 +335,11 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
 
 
 def run_eval(cfg: RunConfig, *, checkpoint: Path | None = None, force: bool = False) -> dict[str, Any]:
-    from pipeline.evaluation import evaluate
+    from pipeline.evaluation import evaluate, resolve_weights
 
+    # The data and the export are the ones prepare and train recorded, unless an export is named on purpose.
+    check_data(cfg)
+    check_export(cfg, resolve_weights(cfg, checkpoint), explicit=bool(checkpoint or cfg.eval.checkpoint))
     run = RunDir(cfg)
     inputs = eval_inputs(cfg, checkpoint)
     if _skip(run, "eval", inputs, force):

@@ -36,6 +36,7 @@ from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_report
 from pipeline.export import load_exported
 from pipeline.logging import make_logger
 from pipeline.rundir import RunDir
+from pipeline.upstream import weights_of
 
 log = logging.getLogger("fpa")
 
@@ -228,6 +229,7 @@ def _evaluate(
         harness=harness,
         data_sources=source_summary(index.mixture.get("train", [])),
         long_context=report_section(long_context),
+        weights_of=weights_of(cfg, weights, explicit=bool(checkpoint or cfg.eval.checkpoint)),
     )
     write_report(report, out_dir)
     headline = {

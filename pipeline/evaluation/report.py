@@ -90,9 +90,18 @@ REPORT_KEYS = (
     "harness",
     "data_sources",
     "long_context",
+    "weights_of",
 )
 # Keys added to schema 1 later: a report written before them still loads, with the key read as null.
-LATER_KEYS = ("heldout", "harness", "data_sources", "long_context")
+LATER_KEYS = ("heldout", "harness", "data_sources", "long_context", "weights_of")
+
+
+def _weights_note(w: Any, run: str) -> str:
+    """ ", run b's export, named on purpose" when the evaluated weights are not this run's own."""
+    if not isinstance(w, dict) or w.get("this_run", True):
+        return ""
+    owner = f"run {w['run']!r}'s export" if w.get("run") else "an export of unknown origin"
+    return f" ({owner}, not {run!r}'s, named on purpose with --checkpoint or eval.checkpoint)"
 
 
 def build_report(
@@ -112,6 +121,7 @@ def build_report(
     heldout: dict[str, dict[str, Any]] | None = None,
     data_sources: dict[str, dict[str, Any]] | None = None,
     long_context: dict[str, Any] | None = None,
+    weights_of: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results.
 
@@ -189,6 +199,7 @@ def build_report(
         "harness": harness or None,
         "data_sources": data_sources or None,
         "long_context": long_context or None,  # pipeline.evaluation.long_context.report_section
+        "weights_of": weights_of,  # pipeline.upstream.weights_of: whose export, named on purpose or not
     }
     assert tuple(report) == REPORT_KEYS
     return report
@@ -266,7 +277,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         "",
         f"- attention: **{r['kind']}**" + (f" (field `{r['field']}`)" if r["field"] else ""),
         f"- parameters: {r['n_params']:,}; training length {r['seq_len']} tokens",
-        f"- weights: `{r['checkpoint']}`",
+        f"- weights: `{r['checkpoint']}`" + _weights_note(r.get("weights_of"), r["run"]),
         *(
             [
                 f"- training data: {_pct(r['passkey_mix'])} of the documents were passkey-retrieval "
