@@ -62,6 +62,16 @@ def _batches(docs: Iterable[str], batch_docs: int, batch_chars: int) -> Iterator
         yield batch
 
 
+def _tagged_batches(
+    streams: Iterable[Iterable[str]], batch_docs: int, batch_chars: int
+) -> Iterator[tuple[int, list[str] | None]]:
+    """(stream, batch) for every stream in turn, and (stream, None) where a stream ends."""
+    for k, docs in enumerate(streams):
+        for batch in _batches(docs, batch_docs, batch_chars):
+            yield k, batch
+        yield k, None
+
+
 def encode_documents(tok: Tokenizer, docs: list[str], eod: int, dtype: str) -> np.ndarray:
     """One flat token array: each document's tokens followed by the end-of-document token."""
     encs = tok.encode_batch(docs, add_special_tokens=False)
@@ -73,9 +83,12 @@ def encode_documents(tok: Tokenizer, docs: list[str], eod: int, dtype: str) -> n
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def tokenize_stream(
+Tagged = tuple[int, int, np.ndarray | None]  # (stream, documents, tokens); tokens None: the stream ended
+
+
+def tokenize_streams(
     tok: Tokenizer,
-    docs: Iterable[str],
+    streams: Iterable[Iterable[str]],
     *,
     eod: int,
     dtype: str,
@@ -83,22 +96,39 @@ def tokenize_stream(
     batch_chars: int = 4 << 20,
     prefetch: int = 2,
     pool: TokenizerPool | None = None,
-) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them
-    (with a pool: hands them to its worker processes).
+) -> Iterator[Tagged]:
+    """(stream, documents, tokens) per batch of each document stream in turn, in document order, and
+    (stream, 0, None) where stream k ends: a reader thread batches documents, a second thread tokenizes
+    them (with a pool: hands them to its worker processes).
 
-    Reading (Python: JSON parsing, decoding) overlaps the previous batch's encode_batch, which releases
-    the GIL; the consumer packs and writes meanwhile. Batches of a few million characters keep every
-    core busy and bound the memory of one batch (measured: one encode_batch over a whole corpus used 8.8 GB).
+    One reader for all the streams of a prepare: it runs ahead into the next stream while the last
+    batches of this one are tokenized and written, so reading a split (Python: JSON parsing, decoding)
+    overlaps encode_batch, which releases the GIL, instead of waiting for it. Batches of a few million
+    characters keep every core busy and bound the memory of one batch (measured: one encode_batch over a
+    whole corpus used 8.8 GB). A stream is a lazy iterable (a generator): it starts reading when reached.
     """
     if pool is not None:  # every worker needs batches to work on, also from a corpus of a few MB
         batch_chars = min(batch_chars, POOL_BATCH_CHARS)
-    batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
+    batches = in_thread(_tagged_batches(streams, batch_docs, batch_chars), prefetch, "read-docs")
+    encoded: Iterable[Tagged]
     if pool is not None:
         encoded = pool.encode(batches, eod, dtype, prefetch)
     else:
-        encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
+        encoded = (
+            (k, 0, None) if b is None else (k, len(b), encode_documents(tok, b, eod, dtype))
+            for k, b in batches
+        )
     return in_thread(encoded, prefetch, "tokenize")
+
+
+def stream_batches(tagged: Iterator[Tagged], k: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(documents, tokens) of stream k, taken from `tagged` up to and including stream k's end."""
+    for j, n, tokens in tagged:
+        if j != k:
+            raise RuntimeError(f"token batches of stream {j} where stream {k}'s were expected")
+        if tokens is None:
+            return
+        yield n, tokens
 
 
 POOL_BATCH_CHARS = 1 << 18  # batches for worker processes: about 60k tokens, many per worker
@@ -146,21 +176,29 @@ class TokenizerPool:
             sys.modules["__main__"] = main
 
     def encode(
-        self, batches: Iterable[list[str]], eod: int, dtype: str, prefetch: int = 2
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        """(documents, tokens) per batch, in submission order; at most processes + prefetch batches in
-        flight (Pool.imap would read the whole corpus ahead into memory)."""
-        window: collections.deque[Future[tuple[int, np.ndarray]]] = collections.deque()
+        self, batches: Iterable[tuple[int, list[str] | None]], eod: int, dtype: str, prefetch: int = 2
+    ) -> Iterator[Tagged]:
+        """tokenize_streams' (stream, documents, tokens) for its (stream, batch) items, in submission
+        order; at most processes + prefetch batches in flight (Pool.imap would read the whole corpus
+        ahead into memory)."""
+        window: collections.deque[tuple[int, Future[tuple[int, np.ndarray]] | None]] = collections.deque()
+
+        def result(k: int, f: Future[tuple[int, np.ndarray]] | None) -> Tagged:
+            return (k, 0, None) if f is None else (k, *f.result())
+
         try:
-            for batch in batches:
-                window.append(self._pool.submit(_worker_encode, batch, eod, dtype))
+            for k, batch in batches:
+                window.append(
+                    (k, None if batch is None else self._pool.submit(_worker_encode, batch, eod, dtype))
+                )
                 if len(window) >= self.processes + prefetch:
-                    yield window.popleft().result()
+                    yield result(*window.popleft())
             while window:
-                yield window.popleft().result()
+                yield result(*window.popleft())
         finally:
-            for f in window:
-                f.cancel()
+            for _, f in window:
+                if f is not None:
+                    f.cancel()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
