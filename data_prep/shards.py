@@ -285,6 +285,20 @@ class SplitStats:
         return dict(self.__dict__)
 
 
+class _HashingWriter:
+    """A write-only stream wrapper that hashes and counts everything written through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, b: bytes) -> int:
+        self.sha.update(b)
+        self.nbytes += len(b)
+        return self.raw.write(b)
+
+
 class SplitWriter:
     """Packs token batches into sequences and writes them as shards <split>/<name>-NNNNN.tar (name: the
     split's, or a mixture source's, whose shards then sit beside the other sources' in the split)."""
@@ -345,20 +359,23 @@ class SplitWriter:
         members = 0
         # Plain tarfile writes the same USTAR layout as webdataset's TarWriter(mtime=0) without importing
         # webdataset, which imports torch (seconds) in a step that needs neither.
-        with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
-            for m in range(0, len(rows), self.per_member):
-                payload = _npy_bytes(rows[m : m + self.per_member])
-                info = tarfile.TarInfo(f"{self.name}-{i:05d}-{members:06d}.npy")
-                info.size, info.mtime, info.mode = len(payload), 0, 0o444
-                info.uname = info.gname = "fpa"
-                tar.addfile(info, io.BytesIO(payload))
-                members += 1
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        # Hashed on its way to the file (no second read of what was just written).
+        with open(path, "wb") as f:
+            out = _HashingWriter(f)
+            with tarfile.open(fileobj=out, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+                for m in range(0, len(rows), self.per_member):
+                    payload = _npy_bytes(rows[m : m + self.per_member])
+                    info = tarfile.TarInfo(f"{self.name}-{i:05d}-{members:06d}.npy")
+                    info.size, info.mtime, info.mode = len(payload), 0, 0o444
+                    info.uname = info.gname = "fpa"
+                    tar.addfile(info, io.BytesIO(payload))
+                    members += 1
+        digest, size = out.sha.hexdigest(), out.nbytes
         self.shards.append(
             ShardInfo(
                 file=rel,
                 sha256=digest,
-                bytes=path.stat().st_size,
+                bytes=size,
                 members=members,
                 sequences=len(rows),
                 tokens=int(rows.size),
