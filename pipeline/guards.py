@@ -13,44 +13,24 @@ from typing import Any
 
 from pipeline.checkpointer import TrainState
 from pipeline.config import TrainConfig
+from pipeline.deepspeed_internals import discard_step, skipped_steps
 from pipeline.errors import TrainingError
 from pipeline.metrics import Metrics
-
-
-def discard_step(engine: Any) -> None:
-    """ZeRO-0: run engine.step() at the accumulation boundary but drop the gradients instead of updating.
-
-    (ZeRO 1-3 need no help: DeepSpeed itself drops a step whose gradient norm is not finite, and cleans
-    its partitioned / accumulated gradient buffers, so there the non-finite gradients go through.)
-    Step counters advance, so accumulation stays aligned; weights and optimizer state do not change.
-    """
-
-    def discard(lr_kwargs: Any = None) -> None:
-        engine.optimizer.zero_grad(set_to_none=True)  # the plain torch optimizer: p.grad is all there is
-        engine.skipped_steps += 1
-        engine.global_steps += 1
-        engine.global_samples += engine.train_batch_size()
-        engine._step_applied = False
-
-    engine._take_model_step = discard  # instance attribute shadows the method for this one call
-    try:
-        engine.step()
-    finally:
-        del engine._take_model_step
 
 
 def drop_step(engine: Any, step: int, zero_stage: int, precision: str) -> None:
     """The accumulation boundary of a step whose gradients must not be applied.
 
     ZeRO-0 never backpropagated the bad loss and discards the gradients by hand; ZeRO 1-3 backpropagated a
-    non-finite loss, so DeepSpeed's own non-finite-norm check drops the step and resets its buffers.
+    non-finite loss, so DeepSpeed's own non-finite-norm check drops the step and resets its buffers
+    (pipeline.deepspeed_internals).
     """
     if zero_stage == 0:
         discard_step(engine)
         return
-    before = engine.skipped_steps
+    before = skipped_steps(engine)
     engine.step()
-    if engine.skipped_steps == before:
+    if skipped_steps(engine) == before:
         raise TrainingError(
             f"step {step}: DeepSpeed applied an update with non-finite gradients "
             f"(ZeRO {zero_stage}, {precision}); stopping rather than training on NaN"

@@ -12,6 +12,7 @@ The load average matters on a shared machine: a benchmark that ran beside other 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -21,7 +22,12 @@ from typing import Any
 
 import torch
 
+from pipeline.atomic import atomic_write_text
 from pipeline.rundir import git_info
+
+# The repository this package was installed from (editable): result files live under its docs/results.
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "docs" / "results"
 
 
 def cpu_model() -> str:
@@ -46,10 +52,13 @@ def load_average() -> list[float] | None:
 def provenance(argv: list[str] | None = None, program: str = "python") -> dict[str, Any]:
     """Commit, machine and command of the measurement being made now (argv: sys.argv when None)."""
     git = git_info()
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).is_absolute() and Path(argv[0]).is_relative_to(ROOT):
+        argv[0] = str(Path(argv[0]).relative_to(ROOT))  # `python -m experiments.x` gives an absolute path
     return {
         "commit": git.get("sha"),
         "dirty": git.get("dirty"),
-        "command": shlex.join([program, *(sys.argv if argv is None else argv)]),
+        "command": shlex.join([program, *argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpu": cpu_model(),
@@ -96,3 +105,11 @@ def provenance_md(prov: dict[str, Any]) -> str:
         f"Commit {commit}, {prov['date']}; {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
         f"({m['torch_threads']} threads){_load_md(prov)}."
     )
+
+
+def write_result(name: str, data: dict[str, Any], markdown: str, out_dir: Path | None = None) -> Path:
+    """Write <out_dir or docs/results/name>/result.json (data + provenance) and result.md; return the dir."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR / name
+    atomic_write_text(out / "result.json", json.dumps(data, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(out / "result.md", markdown.rstrip() + "\n")
+    return out

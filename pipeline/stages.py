@@ -17,7 +17,7 @@ from typing import Any
 from data_prep.config import data_config_dict
 from data_prep.index import sha256_file
 from data_prep.prepare import data_problem, prepare_data, prepare_part, prepare_plan, reusable_data
-from pipeline.config import ConfigError, RunConfig, derive, from_yaml_text
+from pipeline.config import ConfigError, LongContextConfig, RunConfig, derive, from_yaml_text
 from pipeline.rundir import STAGES, RunDir, hash_outputs, sha256_json
 
 # The training and evaluation modules import torch and deepspeed (seconds): run_train / run_eval import
@@ -80,15 +80,21 @@ LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "qk_norm_scale"): 1.0,
     ("model", "attention", "log_scale_length"): None,
     ("train", "passkey", "ramp_steps"): 0,
+    ("train", "passkey", "task"): "passkey",
+}
+# Eval keys added later, likewise: an eval done before them is still done while they hold their defaults.
+LATER_EVAL_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("eval", "long_context"): dataclasses.asdict(LongContextConfig()),
 }
 
 
-def _drop_later_defaults(inputs: dict[str, Any]) -> None:
-    for *parents, key in LATER_TRAIN_DEFAULTS:
+def _drop_later_defaults(inputs: dict[str, Any], later: dict[tuple[str, ...], Any] | None = None) -> None:
+    later = LATER_TRAIN_DEFAULTS if later is None else later
+    for *parents, key in later:
         node: Any = inputs
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and key in node and node[key] == LATER_TRAIN_DEFAULTS[(*parents, key)]:
+        if isinstance(node, dict) and key in node and node[key] == later[(*parents, key)]:
             del node[key]
 
 
@@ -127,8 +133,10 @@ def export_dir(cfg: RunConfig) -> Path:
 def eval_inputs(cfg: RunConfig, checkpoint: Path | None) -> dict[str, Any]:
     export = checkpoint or export_dir(cfg)
     weights = export / "model.safetensors"
+    inputs = {"eval": _asdict(cfg.eval)}
+    _drop_later_defaults(inputs, LATER_EVAL_DEFAULTS)
     return {
-        "eval": _asdict(cfg.eval),
+        "eval": inputs["eval"],
         "data": {"seq_len": cfg.data.seq_len},
         "weights": sha256_file(weights) if weights.is_file() else "missing",
         "model": _export_model(export),
@@ -239,31 +247,61 @@ def run_prepare(
     return m.result
 
 
-def _archive_stale_training(run: RunDir, fingerprint: str) -> None:
-    """A changed training config starts from scratch: move the old checkpoints aside, never delete them."""
+def _archive_stale_training(run: RunDir, inputs: dict[str, Any]) -> None:
+    """A changed training config (pipeline.continuation): keys that shape only the steps to come continue
+    from the latest checkpoint; keys the checkpoints depend on move them aside (never deleted) and start
+    over, saying which keys changed and how to continue the old run instead."""
+    from pipeline.checkpoint import complete_checkpoints, find_latest, read_meta
+    from pipeline.continuation import check_steps, continue_instead, decide, describe, lr_note
+
     prev = run.read_manifest("train")
-    if prev is None or prev.fingerprint == fingerprint:
+    if prev is None or prev.fingerprint == sha256_json(inputs):
         return
-    stale = [p for p in (run.path / "checkpoints", run.path / "export", run.path / "wandb_id") if p.exists()]
+    decision = decide(prev.inputs, inputs)
+    root = run.path / "checkpoints"
+    if decision.continues:
+        latest = find_latest(root)
+        if latest is None:
+            return
+        step = int((read_meta(latest) or {}).get("step", 0))
+        check_steps(step, run.cfg.train, complete_checkpoints(root))
+        log.info(
+            "training config changed in keys that shape only the steps to come (%s): continuing from "
+            "the latest checkpoint (step %d)%s",
+            describe(decision.changed),
+            step,
+            lr_note(prev.inputs.get("train", {}), run.cfg.train, step),
+        )
+        return
+    stale = [p for p in (root, run.path / "export", run.path / "wandb_id") if p.exists()]
     if not stale:
         return
     dest = run.path / "archive" / time.strftime("train-%Y%m%d-%H%M%S")
     dest.mkdir(parents=True)
     for p in stale:
         shutil.move(str(p), dest / p.name)
-    log.info("training config changed: moved the previous checkpoints to %s", dest)
+    log.warning(
+        "training config changed in keys the checkpoints depend on (%s): moved the previous checkpoints "
+        "to %s and training starts over; %s",
+        describe(decision.changed, decision.restart_keys),
+        dest,
+        continue_instead(decision, dest),
+    )
 
 
 def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
     manifest and exports the final weights."""
-    from pipeline.distributed import barrier, init_distributed
+    from pipeline.distributed import barrier, broadcast_object, describe_layout, init_distributed, rank_layout
     from pipeline.export import export
     from pipeline.train import exclusive_run_dir, train
 
     if not (cfg.data_dir / "index.json").is_file():
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
     info = init_distributed(cfg.parallel.backend)
+    layout = rank_layout()  # collective: every rank, before rank 0 alone takes the manifest
+    if info.rank == 0:
+        print(f"[train] {describe_layout(layout)}", flush=True)
     # The run dir's lock before anything is written: a second trainer must not rewrite the manifest or
     # config, nor archive the running trainer's checkpoints (train() takes the same lock, re-entrantly).
     with exclusive_run_dir(cfg.run_dir, info.rank == 0):
@@ -271,13 +309,21 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
         inputs = train_inputs(cfg, info.world_size)
         if _skip(run, "train", inputs, force):
             return run.read_manifest("train").result  # type: ignore[union-attr]
+        refused = None
         if info.rank == 0 and cfg.train.checkpoint.resume == "auto":
-            _archive_stale_training(run, sha256_json(inputs))
+            try:
+                _archive_stale_training(run, inputs)
+            except ConfigError as e:  # every rank stops with it, none waits at the barrier
+                refused = str(e)
+        refused = broadcast_object(refused)
+        if refused:
+            raise ConfigError(refused)
         barrier()
         if info.rank != 0:
             return train(cfg)
         with run.stage("train", inputs) as m:
             m.result = train(cfg)
+            m.result["distributed"] = layout
             ckpt = m.result.get("checkpoint")
             if ckpt:
                 export(cfg, Path(ckpt), export_dir(cfg))

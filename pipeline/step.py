@@ -7,6 +7,7 @@ updates at the accumulation boundary (the last micro batch), before that it adva
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from pipeline import distributed as dist_utils
 from pipeline.batches import Batch, MicroBatch, batch_to_xy
 from pipeline.checkpointer import TrainState
+from pipeline.deepspeed_internals import poisoned, skipped_steps
 from pipeline.guards import StepPolicy, drop_step
 from pipeline.loss import IGNORE_INDEX, lm_loss
 from pipeline.preemption import StopFlag
@@ -46,8 +48,20 @@ class StepSetup:
 
     @property
     def manual_norm(self) -> bool:
-        """ZeRO-0 fp32 clips without recording the norm: the step takes it pre-clip itself."""
-        return self.zero_stage == 0 and self.precision == "fp32"
+        """ZeRO-0 (fp32, or bf16 autocast over fp32 weights) clips without recording the norm: the step
+        takes it pre-clip itself."""
+        return self.zero_stage == 0
+
+
+def autocast(device: torch.device, precision: str, zero_stage: int) -> contextlib.AbstractContextManager[Any]:
+    """The forward's context: bf16 autocast where bf16 runs at ZeRO-0, else nothing.
+
+    DeepSpeed's bf16 mode (ZeRO 1-3) keeps the module in bf16 with fp32 master weights in the optimizer; at
+    ZeRO-0 it would sum gradients in bf16, so there the module, its gradients and the optimizer stay fp32
+    and torch autocast runs the matmuls in bf16 (the loss is fp32 either way, pipeline.loss).
+    """
+    on = precision == "bf16" and zero_stage == 0
+    return torch.autocast(device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
 
 @dataclass
@@ -122,13 +136,15 @@ def train_step(
     bad, spike_loss, lm_sum, pk_sum, stop_req, wait, in_phase = False, None, 0.0, 0.0, 0.0, 0.0, False
     for i, micro in enumerate(micro_batches):
         wait += micro.wait
-        loss, _ = micro_loss(engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens)
+        with autocast(setup.device, setup.precision, setup.zero_stage):
+            loss, _ = micro_loss(engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens)
         lm_value, pk_value = loss.item(), 0.0
         if micro.passkey is not None:  # the passkey phase adds answer-only rows
             in_phase = True
-            pk_loss, _ = micro_loss(
-                engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
-            )
+            with autocast(setup.device, setup.precision, setup.zero_stage):
+                pk_loss, _ = micro_loss(
+                    engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
+                )
             pk_value = pk_loss.item()
             loss = loss + setup.passkey_weight * pk_loss
         # One collective per micro step: [finite LM loss sum, non-finite count, stop request, passkey sum].
@@ -153,7 +169,7 @@ def train_step(
         if last and not bad and policy.spikes.is_spike(state, lm_sum / ga):
             bad, spike_loss = True, lm_sum / ga
             # ZeRO 1-3 drop a step through DeepSpeed's non-finite-norm check: make its gradients NaN.
-            loss = loss * float("nan")
+            loss = poisoned(loss)
         # ZeRO-0 keeps NaN out of the gradients (the step is discarded by hand); ZeRO 1-3 let it through
         # so DeepSpeed's own non-finite-norm skip drops the step and resets its buffers.
         if not bad or setup.zero_stage > 0:
@@ -168,9 +184,9 @@ def train_step(
         return StepResult(None, None, float("nan"), stop_req > 0, wait)
 
     own_norm = _grad_norm(engine) if setup.manual_norm else None
-    before = engine.skipped_steps
+    before = skipped_steps(engine)
     engine.step()
-    if engine.skipped_steps > before:  # DeepSpeed's own overflow check (inf/NaN grad norm)
+    if skipped_steps(engine) > before:  # DeepSpeed's own overflow check (inf/NaN grad norm)
         state.skipped += 1
     grad_norm = own_norm if setup.manual_norm else engine.get_global_grad_norm()
     loss_mean = lm_sum / ga

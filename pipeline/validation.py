@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from pipeline.batches import LoaderFactory
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, resolve_precision
 from pipeline.errors import TrainingError
-from pipeline.step import SeqParallel, all_reduce_sum, micro_loss
+from pipeline.step import SeqParallel, all_reduce_sum, autocast, micro_loss
 
 
 @torch.no_grad()
@@ -38,7 +38,8 @@ def evaluate(
                 batch = next(it)
             except StopIteration:
                 break
-            loss, n = micro_loss(engine, batch, device, sp, cfg.train.loss_chunk_tokens)
+            with autocast(device, resolve_precision(cfg.train), cfg.train.zero_stage):
+                loss, n = micro_loss(engine, batch, device, sp, cfg.train.loss_chunk_tokens)
             total += torch.tensor([loss.item() * n, n], dtype=torch.float64)
     finally:
         engine.train()

@@ -1,5 +1,6 @@
 """Config merging, every error message, derived values, and every YAML shipped under configs/."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
 
 
+# The own-corpus presets need the corpus they are for.
+FILL = {
+    "data/text.yaml": ["data.train.paths=[corpus.txt]"],
+    "data/jsonl.yaml": ["data.train.paths=[corpus.jsonl]"],
+    "data/hf.yaml": ["data.train.name=json", "data.train.paths=[corpus.jsonl]"],
+}
+
+
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_every_shipped_config_loads(path: Path) -> None:
-    cfg = load_config([path])
+    cfg = load_config([path], FILL.get(str(path.relative_to(ROOT / "configs")), []))
     assert isinstance(cfg, RunConfig)
     assert from_yaml_text(to_yaml(cfg)) == cfg  # the saved resolved YAML rebuilds the same config
 
@@ -162,3 +171,99 @@ def test_kv_shift_key_default_override_and_old_yaml(tmp_path: Path) -> None:
     assert from_yaml_text(old).model.attention.kv_shift is False
     with pytest.raises(ConfigError, match="kv_shift"):
         load_config([], ["model.attention.kv_shift=maybe"])
+
+
+# -- a source's type replaces the source (your own corpus over configs/tiny.yaml) --------------------
+
+TINY_PATH = ROOT / "configs" / "tiny.yaml"
+
+
+def test_own_corpus_the_three_obvious_ways_give_one_config(tmp_path: Path, caplog) -> None:
+    """Overrides, a mapping override and a YAML with base: all replace the KJV train source, drop its
+    book list and its packaged validation split (saying so): the held-out split is the user's."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"base: [{TINY_PATH}]\ndata:\n  train: {{type: text, paths: [my.txt]}}\n")
+    with caplog.at_level(logging.INFO, logger="fpa"):
+        got = [
+            load_config([TINY_PATH], ["data.train.type=text", "data.train.paths=[my.txt]"]),
+            load_config([TINY_PATH], ["data.train.paths=[my.txt]", "data.train.type=text"]),
+            load_config([TINY_PATH], ["data.train={type: text, paths: [my.txt]}"]),
+            load_config([mine]),
+        ]
+    for cfg in got:
+        assert cfg.data == got[0].data
+    train = got[0].data.train
+    assert (train.type, train.paths, train.exclude_books, train.books) == ("text", ["my.txt"], [], None)
+    assert got[0].data.validation is None and list(got[0].data.extra_validation) == ["wiki"]
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.validation:")]
+    assert len(notes) == 4 and "configs/data/kjv.yaml" in notes[0] and "data.val_fraction" in notes[0]
+
+
+def test_own_validation_source_is_kept_and_other_types_keep_theirs(tmp_path: Path) -> None:
+    cfg = load_config(
+        [TINY_PATH],
+        ["data.train={type: text, paths: [a.txt]}", "data.validation={type: text, paths: [b.txt]}"],
+    )
+    assert cfg.data.validation is not None and cfg.data.validation.paths == ["b.txt"]
+    # text -> jsonl keeps paths (both read them); jsonl -> packaged drops them
+    cfg = load_config([], ["data.train={type: text, paths: [a.txt]}", "data.train.type=jsonl"])
+    assert cfg.data.train.paths == ["a.txt"]
+    cfg = load_config(
+        [], ["data.train={type: jsonl, paths: [a.jsonl], text_field: body}", "data.train.type=packaged"]
+    )
+    assert (cfg.data.train.paths, cfg.data.train.text_field, cfg.data.train.name) == ([], "text", "kjv")
+
+
+def test_a_key_the_type_does_not_read_names_key_origin_and_fix(tmp_path: Path) -> None:
+    def error(paths: list, overrides: list[str]) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_config(paths, overrides)
+        return str(e.value)
+
+    msg = error([TINY_PATH], ["data.train.name=wiki_summaries"])
+    assert msg == (
+        "data.train.exclude_books selects books of the packaged corpus 'kjv' only, and this source is "
+        f"'wiki_summaries' (set in {ROOT / 'configs/data/kjv.yaml'}): "
+        "clear it with data.train.exclude_books=[]"
+    )
+    assert load_config([TINY_PATH], ["data.train.name=wiki_summaries", "data.train.exclude_books=null"])
+    msg = error([TINY_PATH], ["data.train={type: text, paths: [a.txt], exclude_books: [Ruth]}"])
+    assert msg.startswith("data.train.exclude_books is read by sources of type packaged only")
+    assert msg.endswith(
+        "(set in override 'data.train={type: text, paths: [a.txt], exclude_books: [Ruth]}'): "
+        "clear it with data.train.exclude_books=[]"
+    )
+    msg = error(
+        [TINY_PATH], ["data.train.type=text", "data.train.paths=[a.txt]", "data.train.text_field=body"]
+    )
+    assert "data.train.text_field is read by sources of type jsonl / parquet / hf only" in msg
+    assert msg.endswith(
+        "(set in override 'data.train.text_field=body'): clear it with data.train.text_field=text"
+    )
+    msg = error([TINY_PATH], ["data.train.type=text"])
+    assert msg.startswith("data.train.paths is empty: a source of type text reads files")
+    assert msg.endswith("(its type set in override 'data.train.type=text')")
+    # packaged -> hf: the corpus name is no datasets builder
+    msg = error([TINY_PATH], ["data.train.type=hf", "data.train.paths=[a.jsonl]"])
+    assert msg.startswith("data.train.name is required for a source of type hf")
+    cfg = load_config(
+        [TINY_PATH], ["data.train.type=hf", "data.train.paths=[a.jsonl]", "data.train.name=json"]
+    )
+    assert cfg.data.train.name == "json"
+
+
+def test_an_empty_mapping_empties_extra_splits_and_mixtures() -> None:
+    assert load_config([TINY_PATH], ["data.extra_validation={}"]).data.extra_validation == {}
+    mixture = ROOT / "configs" / "data" / "mixture.yaml"
+    assert load_config([TINY_PATH, mixture]).data.mixture
+    assert load_config([TINY_PATH, mixture], ["data.mixture={}"]).data.mixture == {}
+
+
+@pytest.mark.parametrize("preset", ["text", "jsonl"])
+def test_own_corpus_presets_after_tiny(preset: str) -> None:
+    ext = "txt" if preset == "text" else "jsonl"
+    cfg = load_config([TINY_PATH, ROOT / f"configs/data/{preset}.yaml"], [f"data.train.paths=[c/*.{ext}]"])
+    assert cfg.name == f"my-{preset}" and cfg.data.train.type == preset and cfg.data.train.exclude_books == []
+    assert cfg.data.validation is None and cfg.data.extra_validation == {}
+    with pytest.raises(ConfigError, match=rf"data.train.paths is empty.*configs/data/{preset}.yaml"):
+        load_config([TINY_PATH, ROOT / f"configs/data/{preset}.yaml"])

@@ -190,29 +190,45 @@ def cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> boo
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_precision_auto_resolves_at_load(cuda: bool, zero_stage: int, caplog) -> None:
+    """auto is bf16 on CUDA at every ZeRO stage (ZeRO-0 by autocast over fp32 weights), fp32 on the CPU."""
     with caplog.at_level(logging.WARNING, logger="fpa"):
         cfg = load_config([TINY], [f"train.zero_stage={zero_stage}"])
-    want = "bf16" if cuda and zero_stage >= 1 else "fp32"
+    want = "bf16" if cuda else "fp32"
     assert cfg.train.precision == want and derive(cfg).precision == want
-    # On a GPU, ZeRO-0 keeps auto at fp32 and says what gives bf16.
-    warned = [r.getMessage() for r in caplog.records if "train.precision=auto" in r.getMessage()]
-    assert bool(warned) == (cuda and zero_stage == 0)
-    assert all("set train.zero_stage=1" in w for w in warned)
+    assert not [r for r in caplog.records if "precision" in r.getMessage()]  # nothing to warn about
 
 
-@pytest.mark.parametrize("precision, zero_stage", [("fp32", 0), ("fp32", 1), ("bf16", 1), ("bf16", 3)])
+@pytest.mark.parametrize(
+    "precision, zero_stage", [("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1), ("bf16", 3)]
+)
 def test_explicit_precision_is_kept(cuda: bool, precision: str, zero_stage: int) -> None:
     over = [f"train.precision={precision}", f"train.zero_stage={zero_stage}"]
     cfg = load_config([], over)
     assert cfg.train.precision == precision and derive(cfg).precision == precision
 
 
-def test_explicit_bf16_with_zero0_explains_why_and_what_to_set(cuda: bool) -> None:
-    msg = _error(["train.precision=bf16"])
-    assert msg.startswith("train.precision=bf16 needs train.zero_stage >= 1")
-    assert "in bf16" in msg and "accumulate them in fp32" in msg  # why
-    assert "set train.zero_stage=1, or train.precision=auto" in msg  # what to set
-    assert msg.endswith("(set in override 'train.precision=bf16')")
+def test_110m_preset_trains_in_bf16_on_a_gpu(cuda: bool) -> None:
+    """The 110m preset with the default ZeRO stage (0): bf16 on a GPU, fp32 on the CPU."""
+    cfg = load_config([TINY, ROOT / "configs" / "model" / "110m.yaml"])
+    assert cfg.train.zero_stage == 0 and cfg.model.d_model == 768
+    assert cfg.train.precision == ("bf16" if cuda else "fp32")
+
+
+def test_bf16_at_zero0_is_autocast_over_an_fp32_engine(cuda: bool) -> None:
+    """DeepSpeed's bf16 mode only from ZeRO-1 on; at ZeRO-0 the engine stays fp32 and the forward runs
+    under torch autocast (bf16), so weights, gradients and the optimizer are fp32."""
+    from pipeline.engine import deepspeed_config
+    from pipeline.step import autocast
+
+    for stage in (0, 1):
+        cfg = load_config([], ["train.precision=bf16", f"train.zero_stage={stage}", "model.vocab_size=64"])
+        ds = deepspeed_config(cfg, derive(cfg))
+        assert ("bf16" in ds) == (stage >= 1)
+        with autocast(torch.device("cpu"), cfg.train.precision, stage):
+            y = torch.nn.functional.linear(torch.ones(2, 4), torch.ones(3, 4))
+        assert y.dtype == (torch.bfloat16 if stage == 0 else torch.float32)
+    with autocast(torch.device("cpu"), "fp32", 0):
+        assert torch.nn.functional.linear(torch.ones(2, 4), torch.ones(3, 4)).dtype == torch.float32
 
 
 def test_resolved_precision_is_what_the_run_records_and_the_engine_runs(

@@ -171,9 +171,9 @@ def test_harness_unknown_task_and_old_reports(tmp_path: Path, data_dir: Path) ->
     from data_prep.index import load_index
     from data_prep.tokenizer import load_tokenizer
     from pipeline.config import HarnessConfig
+    from pipeline.evaluation.harness import HarnessError, run_harness
     from pipeline.evaluation.report import LATER_KEYS, check_report
     from pipeline.export import load_exported
-    from pipeline.harness import HarnessError, run_harness
 
     cfg = run_cfg(tmp_path, data_dir, "h", "fox")
     model = load_exported(export_random_model(cfg))
@@ -196,7 +196,7 @@ def test_harness_unknown_task_and_old_reports(tmp_path: Path, data_dir: Path) ->
 
 
 def test_sweep_collect_has_a_column_per_harness_score(tmp_path: Path) -> None:
-    from launch.sweep import collect_sweep, expand_sweep
+    from launch.sweep import collect_sweep, load_sweep
     from pipeline.evaluation.report import REPORT_KEYS
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -205,7 +205,7 @@ def test_sweep_collect_has_a_column_per_harness_score(tmp_path: Path) -> None:
         f"name: h\nconfigs: [{tiny}]\noverrides:\n  runs_dir: {tmp_path / 'runs'}\n"
         "grid:\n  model.attention.kind: [fpa, softmax]\n"
     )
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     for run, harness in zip(runs, ({"tasks": {"kjv": {"acc": 0.625, "acc_stderr": 0.1}}}, None)):
         report = dict.fromkeys(REPORT_KEYS)
         report.update(schema_version=1, run=run.name, kind="fpa", seq_len=64, n_params=10, harness=harness)

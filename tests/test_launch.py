@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launch import slurm as sl
-from launch.sweep import collect_sweep, expand_sweep, format_value, load_sweep, run_sweep
+from launch.sweep import collect_sweep, format_value, load_sweep, run_sweep
 from pipeline.config import ConfigError, load_config
 from pipeline.evaluation.report import ppl_curve
 
@@ -303,8 +303,8 @@ max_parallel: 1
 """
 
 
-def test_expand_sweep_names_overrides_and_dirs(tmp_path: Path) -> None:
-    runs = expand_sweep(write_sweep(tmp_path, SWEEP))
+def test_sweep_runs_name_overrides_and_dirs(tmp_path: Path) -> None:
+    runs = load_sweep(write_sweep(tmp_path, SWEEP)).runs
     assert [r.name for r in runs] == [
         "abl.kind-fpa.seed-1",
         "abl.kind-fpa.seed-2",
@@ -362,7 +362,7 @@ def test_local_sweep_prepares_once_then_trains_and_evaluates_each(tmp_path: Path
 
     with pytest.raises(ConfigError, match="1 run.* failed: abl.kind-softmax.seed-2"):
         run_sweep(sweep, mode="local", runner=runner)
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     assert calls[0] == ["run", "--stages", "prepare", TINY, *runs[0].overrides]  # one shared data dir
     assert calls[1:] == [["run", "--stages", "train,eval", "--nproc", "1", TINY, *r.overrides] for r in runs]
     calls.clear()
@@ -376,7 +376,7 @@ def test_slurm_sweep_arrays_select_their_runs_overrides(tmp_path: Path, stubs, c
     body = SWEEP.replace("  train.max_steps: 7", f"  train.max_steps: 7\n  slurm.python: {stubs['py']}")
     sweep = write_sweep(tmp_path, body)
     assert run_sweep(sweep, mode="slurm", dry_run=True) == []
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     out = tmp_path / "runs" / "sweeps" / "abl" / "slurm"
     assert (out / "runs.tsv").read_text().splitlines() == ["\t".join(r.overrides) for r in runs]
     names = sorted(p.name for p in out.glob("*.sbatch"))
@@ -406,7 +406,7 @@ def test_slurm_sweep_submits_prepare_then_train_array_then_eval_array(tmp_path: 
         "{runs}/data", "{runs}/d${{data.seq_len}}"
     )
     sweep = write_sweep(tmp_path, body)
-    assert len({r.data_dir for r in expand_sweep(sweep)}) == 2
+    assert len({r.data_dir for r in load_sweep(sweep).runs}) == 2
     assert run_sweep(sweep, mode="slurm") == ["101", "102", "103", "104"]
     out = tmp_path / "runs" / "sweeps" / "abl" / "slurm"
     assert calls.read_text().splitlines() == [
@@ -423,7 +423,7 @@ def test_slurm_sweep_submits_prepare_then_train_array_then_eval_array(tmp_path: 
 def test_runs_sharing_a_data_dir_must_share_the_data_settings(tmp_path: Path) -> None:
     sweep = write_sweep(tmp_path, SWEEP.replace("  seed: [1, 2]", "  data.seq_len: [64, 128]"))
     with pytest.raises(ConfigError, match=r"share the data dir .* differ in data.seq_len"):
-        expand_sweep(sweep)
+        load_sweep(sweep)
 
 
 # -- collecting --------------------------------------------------------------------------------------
@@ -455,7 +455,7 @@ def _report(kind: str, loss: float | None, passkey: float, cache: float) -> dict
 
 def test_collect_sweep_table_csv_plot_and_seed_means(tmp_path: Path) -> None:
     sweep = write_sweep(tmp_path, SWEEP)
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     figures = [("fpa", 2.0, 1.0, 0.25), ("fpa", 4.0, 0.5, 0.75), ("softmax", 3.0, 0.0, 1.0)]
     for run, fig in zip(runs, figures):
         (run.run_dir / "eval").mkdir(parents=True)
@@ -485,7 +485,7 @@ def test_collect_sweep_table_csv_plot_and_seed_means(tmp_path: Path) -> None:
 
 def test_collect_has_a_loss_column_per_heldout_split(tmp_path: Path) -> None:
     sweep = write_sweep(tmp_path, SWEEP)
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     for run, (ind, ood) in zip(runs, [(2.0, 5.0), (4.0, 6.0)]):
         rep = _report("fpa", ind, 1.0, 0.5)
         rep["heldout"] = {
@@ -507,7 +507,7 @@ def test_collect_says_where_its_figures_came_from(tmp_path: Path) -> None:
     """results.md/json name the collect command, its commit and machine, and the commit each run was
     trained at; --out writes them elsewhere (docs/results/<name>/ for the README)."""
     sweep = write_sweep(tmp_path, SWEEP)
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     for i, run in enumerate(runs[:2]):
         (run.run_dir / "eval").mkdir(parents=True)
         (run.run_dir / "eval" / "report.json").write_text(json.dumps(_report("fpa", 2.0 + i, 1.0, 0.5)))
@@ -554,7 +554,7 @@ def test_collect_with_no_reports_still_writes_everything(tmp_path: Path) -> None
 def test_shipped_sweeps_expand_and_render(name: str, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)  # their runs_dir is relative: keep the checkout clean
     path = ROOT / "configs" / "sweeps" / f"{name}.yaml"
-    runs = expand_sweep(path)
+    runs = load_sweep(path).runs
     assert len(runs) == 9 and len({r.name for r in runs}) == 9  # 3 kinds or fields x 3 seeds
     assert len({r.data_dir for r in runs}) == 1  # one prepared dataset for the whole comparison
     assert {r.group for r in runs} == {name}
@@ -570,7 +570,7 @@ def test_collect_reports_the_passkey_accuracy_at_the_longest_length(tmp_path: Pa
     """passkey_longest: the full-cache accuracy at the longest length evaluated (8x by default), per run and
     as a mean over seeds, beside the grid mean passkey_accuracy."""
     sweep = write_sweep(tmp_path, SWEEP)
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     for run, at_8x in zip(runs, [0.32, 1.0]):
         rep = _report("fpa", 2.0, 0.9, 0.5)
         rep["passkey_accuracy_per_length"] = {"256": 1.0, "2048": at_8x, "512": 0.5}

@@ -1,22 +1,18 @@
-"""bench/passkey_sharpness.py: every logit x s through the qk-norm gains, log-n scaling switched off and
+"""experiments/passkey_sharpness.py: every logit x s through the qk-norm gains, log-n scaling switched off and
 on, the model restored afterwards, the trained scale read from the gains, gain scales refused without
 qk-norm."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import passkey_sharpness as ps  # noqa: E402
-from bench.trained_run import TrainedRun  # noqa: E402
-from fpa_model.model import GPT  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from experiments import passkey_sharpness as ps
+from experiments.trained_run import TrainedRun
+from fpa_model.model import GPT
+from pipeline.config import load_config
 
 
 def _run(qk_norm: bool = True, scale: float = 1.0) -> TrainedRun:

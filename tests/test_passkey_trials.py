@@ -1,18 +1,15 @@
-"""bench/passkey_trials.py reads a run's own files: the recipe, when the passkey loss fell, its accuracy."""
+"""experiments/passkey_trials.py reads a run's own files: the recipe, when the passkey loss fell, its
+accuracy."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import passkey_trials as pt  # noqa: E402
+from experiments import passkey_trials as pt
 
 
 def _run(tmp: Path, losses: list[float], report: dict | None) -> Path:

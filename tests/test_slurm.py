@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from launch import slurm as sl
-from launch.sweep import collect_sweep, expand_sweep, run_sweep
+from launch.sweep import collect_sweep, load_sweep, run_sweep
 from pipeline.config import load_config
 
 pytestmark = pytest.mark.slurm
@@ -343,7 +343,7 @@ grid:
   model.attention.kind: [fpa, softmax]
 """
     )
-    runs = expand_sweep(sweep)
+    runs = load_sweep(sweep).runs
     ids = run_sweep(sweep, mode="slurm")
     assert len(ids) == 3  # one prepare job for the shared data dir, a training and an eval array
     logs = [tmp_path / "runs" / "sweeps" / "mini" / "slurm"]

@@ -301,6 +301,43 @@ def test_bf16_zero1_tracks_fp32(cfg_path, reference, tmp_path):
     assert not list(ckpt.parent.glob(".export-universal-*"))  # the temporary conversion is removed
 
 
+def test_bf16_zero0_autocast_tracks_fp32(cfg_path, reference, tmp_path):
+    """bf16 at ZeRO-0 (the default stage, what `auto` picks on a GPU): torch autocast over fp32 weights,
+    gradients and optimizer (here the CPU's bf16 autocast); its curve stays near the fp32 one."""
+    run_training(cfg_path, [*BASE, "train.precision=bf16", f"runs_dir={tmp_path}"])
+    got, ref = losses(tmp_path / "t"), losses(reference[0])
+    assert got[12] < got[1] - 0.3
+    assert_same_curve(ref, got, tol=0.03)
+    assert any(abs(got[s] - ref[s]) > 1e-6 for s in ref)  # it did run in bf16, not fp32
+    states = torch.load(
+        tmp_path / "t" / "checkpoints" / "global_step12" / "mp_rank_00_model_states.pt",
+        map_location="cpu",
+        weights_only=False,
+    )
+    assert all(w.dtype == torch.float32 for w in states["module"].values())  # fp32 master weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_default_precision_is_bf16_autocast_at_zero0_and_tracks_fp32(cfg_path, tmp_path):
+    """On CUDA, train.precision=auto at the default ZeRO-0 trains in bf16 (autocast over fp32 weights)
+    and stays near an fp32 run on the same GPU; the 110m model sizes train the same way."""
+    auto = run_training(cfg_path, [*BASE, f"runs_dir={tmp_path / 'auto'}"])
+    assert "ZeRO 0, bf16" in auto.stdout
+    fp32 = run_training(cfg_path, [*BASE, "train.precision=fp32", f"runs_dir={tmp_path / 'fp32'}"])
+    assert "ZeRO 0, fp32" in fp32.stdout
+    assert_same_curve(losses(tmp_path / "fp32" / "t"), losses(tmp_path / "auto" / "t"), tol=0.03)
+    big = [
+        "model.n_layer=12",
+        "model.n_head=12",
+        "model.d_model=768",
+        "train.max_steps=4",
+        "train.val_every=0",
+    ]
+    r = run_training(cfg_path, [*BASE[:2], *big, f"runs_dir={tmp_path / 'big'}"])
+    assert "ZeRO 0, bf16" in r.stdout and summary_of(r)["final_loss"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_forwards_sigusr1_and_both_ranks_checkpoint(cfg_path, reference, tmp_path):

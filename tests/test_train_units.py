@@ -209,8 +209,11 @@ def test_deepspeed_config_and_param_groups():
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["bf16"] == {"enabled": True}
     assert ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["zero_optimization"]["stage"] == 2 and ds["checkpoint"]["load_universal"] is False
-    with pytest.raises(ConfigError, match="zero_stage >= 1"):  # refused at config load now
-        load_config([], ["train.precision=bf16", "train.zero_stage=0"])
+    # ZeRO-0 bf16 is autocast over an fp32 engine (pipeline.step.autocast): no DeepSpeed bf16 mode there.
+    zero0 = load_config([], ["train.precision=bf16", "train.zero_stage=0", "model.vocab_size=64"])
+    assert "bf16" not in deepspeed_config(zero0, derive(zero0)) and "data_types" not in deepspeed_config(
+        zero0, derive(zero0)
+    )
     groups = param_groups(GPT(cfg.model), 0.1)
     assert all(p.dim() >= 2 for p in groups[0]["params"]) and groups[1]["weight_decay"] == 0.0
     assert all(p.dim() == 1 for p in groups[1]["params"])
@@ -320,3 +323,28 @@ def test_targeted_only_loss_equals_the_full_logits_loss(chunk_tokens):
     logits = model(x).double()
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
     assert torch.allclose(part.double(), ref, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The passkey phase on a tokenizer of another corpus
+
+
+def test_a_passkey_min_len_too_short_for_the_tokenizer_says_what_fits(tmp_path):
+    """A tokenizer trained on text unlike the English passkey prompt (here: word runs like "w12") takes
+    many tokens for the needle and question: one line before training naming the min_len that fits."""
+    from test_train_support import prepare_word_corpus
+
+    from pipeline.batches import PasskeyBatches
+
+    data = prepare_word_corpus(tmp_path)
+    over = [f"data.out_dir={data}", "data.seq_len=32", "train.passkey.steps=1", "train.passkey.max_len=1024"]
+    cfg = load_config([], [*over, "train.passkey.min_len=16"])
+    with pytest.raises(ConfigError) as e:
+        PasskeyBatches(cfg, derive(cfg), 0)
+    msg = str(e.value)
+    assert msg.startswith("train.passkey.min_len=16 is too short for this tokenizer")
+    fix = int(msg.split("set train.passkey.min_len=")[1].split()[0])
+    assert fix % 16 == 0 and fix > 16
+    cfg = load_config([], [*over, f"train.passkey.min_len={fix}"])
+    x, y = PasskeyBatches(cfg, derive(cfg), 0).batch(0, 0)  # the shortest prompt now fits
+    assert x.shape[1] >= fix

@@ -30,6 +30,8 @@ def _records(path: Path) -> list[bytes]:
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         pos += 7
+        if pos + length > len(data):  # the writer is mid-record: the tail is not on disk yet
+            break
         chunk = data[pos : pos + length]
         pos += length
         if kind == 0 and length == 0:
@@ -77,8 +79,13 @@ def read_wandb_file(path: str | Path) -> dict[str, Any]:
 def read_finished_wandb_file(path: str | Path, timeout_s: float = 30.0) -> dict[str, Any]:
     """read_wandb_file once the segment's exit record is on disk (or raise TimeoutError)."""
     deadline = time.monotonic() + timeout_s
+    from google.protobuf.message import DecodeError
+
     while True:
-        rec = read_wandb_file(path)
+        try:
+            rec = read_wandb_file(path)
+        except DecodeError:  # read while the service was writing a record: read again
+            rec = {"finished": False}
         if rec["finished"]:
             return rec
         if time.monotonic() > deadline:

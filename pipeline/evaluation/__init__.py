@@ -4,7 +4,8 @@ eviction, validation loss by position beyond the training length, bits per byte,
     evaluate(cfg, checkpoint=None) -> summary dict
 
 writes <run_dir>/eval/{passkey.json, passkey.png, perplexity.json, perplexity.png, report.json,
-report.md}; with eval.harness.tasks, lm-evaluation-harness scores too (pipeline/harness.py). The
+report.md}; with eval.harness.tasks, lm-evaluation-harness scores too (pipeline/evaluation/harness.py); with
+eval.long_context.tasks, a grid per long-context task (pipeline/evaluation/long_context.py). The
 weights come from `checkpoint` (an export directory holding model.safetensors), else cfg.eval.checkpoint,
 else <run_dir>/export.
 """
@@ -23,6 +24,12 @@ from data_prep.prepare import source_summary
 from data_prep.tokenizer import load_tokenizer
 from fpa_model.cache import EvictionPolicy
 from pipeline.config import ConfigError, RunConfig
+from pipeline.evaluation.long_context import (
+    report_section,
+    run_long_context,
+    taught_task,
+    write_harness_tasks,
+)
 from pipeline.evaluation.passkey import run_passkey
 from pipeline.evaluation.perplexity import run_perplexity
 from pipeline.evaluation.report import REPORT_KEYS, build_report, compare_reports, load_report, write_report
@@ -108,7 +115,10 @@ def _passkey_training(cfg: RunConfig) -> dict[str, Any] | None:
     if not pk.steps:
         return None
     batch = pk.batch or cfg.train.micro_batch
-    return {"steps": pk.steps, "batch": batch, "weight": pk.weight, "digits": pk.digits}
+    out = {"steps": pk.steps, "batch": batch, "weight": pk.weight, "digits": pk.digits}
+    if pk.task != "passkey":  # a passkey phase's report keeps the keys it always had
+        out["task"] = taught_task(pk.task)
+    return out
 
 
 def _evaluate(
@@ -144,6 +154,31 @@ def _evaluate(
             logger=logger,
             device=device,
         )
+    long_context = None
+    if cfg.eval.long_context.tasks:
+        long_context = run_long_context(
+            model,
+            tokenizer,
+            seq_len=seq_len,
+            lc=cfg.eval.long_context,
+            pk=cfg.eval.passkey,
+            cache_cfg=cfg.eval.cache,
+            out_dir=out_dir,
+            prefix_ids=[index.eod_id],
+            taught=taught_task(cfg.train.passkey.task) if cfg.train.passkey.steps else None,
+            logger=logger,
+            device=device,
+        )
+        # The same prompts as lm-eval tasks (eval.harness.include_path may name this folder).
+        write_harness_tasks(
+            tokenizer,
+            seq_len=seq_len,
+            lc=cfg.eval.long_context,
+            pk=cfg.eval.passkey,
+            eod_token=tokenizer.id_to_token(index.eod_id),
+            prefix_ids=[index.eod_id],
+            out_dir=out_dir / "lm_eval",
+        )
     # Every held-out split is read the same way; the evicting cache is measured on "validation" alone.
     ppl_args = {
         "data_dir": cfg.data_dir,
@@ -172,7 +207,8 @@ def _evaluate(
             heldout[split] = run_perplexity(model, tokenizer, **ppl_args, split=split)
     harness = None
     if cfg.eval.harness.tasks:
-        from pipeline.harness import run_harness  # lm-eval + transformers (the hf extra): only when asked
+        # lm-eval + transformers (the hf extra): imported only when asked
+        from pipeline.evaluation.harness import run_harness
 
         harness = run_harness(model, tokenizer, index.eod_id, cfg.eval.harness, device=device, seed=cfg.seed)
     attn = model.cfg.attention
@@ -191,6 +227,7 @@ def _evaluate(
         heldout=heldout,
         harness=harness,
         data_sources=source_summary(index.mixture.get("train", [])),
+        long_context=report_section(long_context),
     )
     write_report(report, out_dir)
     headline = {
@@ -207,6 +244,8 @@ def _evaluate(
             "harness",
         )
     }
+    if report["long_context"]:  # only when asked for: today's headline stays as it was
+        headline["long_context"] = {k: t["accuracy"] for k, t in report["long_context"].items()}
     headline["seconds"] = round(time.time() - t0, 1)
     if logger is not None:
         summary = {
@@ -216,6 +255,10 @@ def _evaluate(
             summary[f"data/{name}/tokens"] = src["tokens"]
         for task, metrics in ((harness or {}).get("tasks") or {}).items():
             summary.update({f"eval/harness/{task}/{m}": v for m, v in metrics.items()})
+        for task, t in (report["long_context"] or {}).items():
+            for m in ("accuracy", "accuracy_compressed", "cache_fraction"):
+                if t[m] is not None:
+                    summary[f"eval/long_context/{task}/{m}"] = t[m]
         logger.summary(summary)
     log.info("eval report: %s", out_dir / "report.md")
     return headline

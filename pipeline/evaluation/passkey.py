@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from data_prep import passkey as protocol
 from fpa_model.cache import EvictionPolicy, generate
+from pipeline.atomic import atomic_write_text
 from pipeline.config import CacheConfig, PasskeyConfig
 
 log = logging.getLogger("fpa")
@@ -42,6 +44,29 @@ def _cell_keys(seed: int, length: int, depth: float, trials: int, digits: int) -
 
 
 @torch.no_grad()
+def decode_answers(
+    model: torch.nn.Module,
+    tokenizer: protocol.TokenizerLike,
+    prompts: list[list[int]],
+    budget: int,
+    *,
+    policy: EvictionPolicy,
+    chunk_size: int | None,
+    device: torch.device,
+) -> tuple[list[str], dict[str, Any]]:
+    """Greedy continuations (`budget` tokens) of equal-length prompts decoded as one batch, and what the
+    cache kept: every grid cell (the passkey's and the long-context tasks') runs through here."""
+    idx = torch.tensor(prompts, dtype=torch.long, device=device)
+    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size)
+    answers = [protocol.decode(tokenizer, row) for row in new.tolist()]
+    frac = cache.fraction_kept()
+    return answers, {
+        "cache_fraction": float(frac["overall"]),
+        "cache_fraction_per_layer": [float(f) for f in frac["per_layer"]],
+        "cache_capacity": cache.capacity(),
+    }
+
+
 def run_cell(
     model: torch.nn.Module,
     tokenizer: protocol.TokenizerLike,
@@ -60,11 +85,16 @@ def run_cell(
     prompts = [
         protocol.build_prompt(tokenizer, length - budget, depth, k, prefix_ids=prefix_ids) for k in keys
     ]
-    idx = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=device)
-    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size)
-    answers = [protocol.decode(tokenizer, row) for row in new.tolist()]
+    answers, kept = decode_answers(
+        model,
+        tokenizer,
+        [p.ids for p in prompts],
+        budget,
+        policy=policy,
+        chunk_size=chunk_size,
+        device=device,
+    )
     correct = [protocol.is_correct(a, k) for a, k in zip(answers, keys)]
-    frac = cache.fraction_kept()
     return {
         "length": length,
         "depth": depth,
@@ -74,9 +104,7 @@ def run_cell(
         "correct": sum(correct),
         "trials": len(keys),
         "accuracy": sum(correct) / len(keys),
-        "cache_fraction": float(frac["overall"]),
-        "cache_fraction_per_layer": [float(f) for f in frac["per_layer"]],
-        "cache_capacity": cache.capacity(),
+        **kept,
     }
 
 
@@ -103,6 +131,58 @@ def _summarize(cells: list[dict[str, Any]], lengths: list[int], depths: list[flo
     }
 
 
+CellFn = Callable[[int, float, EvictionPolicy, int | None], dict[str, Any]]
+
+
+def grid_modes(model: torch.nn.Module, cache_cfg: CacheConfig) -> list[str]:
+    """full, and compressed where the model can evict (fpa/fox) and eval.cache.evict asks for it."""
+    kinds = {block.attn.kind for block in model.blocks}
+    return ["full", "compressed"] if cache_cfg.evict and kinds != {"softmax"} else ["full"]
+
+
+def run_grid(
+    cell: CellFn,
+    lengths: list[int],
+    depths: list[float],
+    modes: list[str],
+    cache_cfg: CacheConfig,
+    *,
+    seq_len: int,
+    name: str,
+) -> tuple[dict[str, Any], list[list[Any]]]:
+    """Every (mode, length, depth) cell through cell(length, depth, policy, prefill chunk): ({mode: summary
+    with the cells}, W&B table rows). The eviction policy is built here, once per length, for every task."""
+    out: dict[str, Any] = {}
+    rows: list[list[Any]] = []
+    for mode in modes:
+        cells = []
+        for L in lengths:
+            policy = EvictionPolicy(
+                enabled=mode == "compressed",
+                delta=cache_cfg.delta,
+                margin=cache_cfg.margin,
+                norm_slack=cache_cfg.norm_slack,
+                max_tokens=L,
+            )
+            for d in depths:
+                # Full cache: the whole prompt in one pass of the model's op; compressed: chunks, evicting
+                # between them.
+                c = cell(L, d, policy, cache_cfg.prefill_chunk if mode == "compressed" else None)
+                c["mode"] = mode
+                cells.append(c)
+                rows.append([mode, L, L / seq_len, d, c["accuracy"], c["cache_fraction"], c["trials"]])
+            at_len = [c for c in cells if c["length"] == L]
+            log.info(
+                "%s %s length %d: accuracy %.3f",
+                name,
+                mode,
+                L,
+                sum(c["correct"] for c in at_len) / sum(c["trials"] for c in at_len),
+            )
+        out[mode] = {**_summarize(cells, lengths, depths), "cells": cells}
+    return out, rows
+
+
 def run_passkey(
     model: torch.nn.Module,
     tokenizer: protocol.TokenizerLike,
@@ -121,12 +201,9 @@ def run_passkey(
     logger is given, and returns the JSON content.
     """
     device = device or next(model.parameters()).device
-    kinds = {block.attn.kind for block in model.blocks}
     lengths = passkey_lengths(seq_len, list(pk.length_multipliers))
     depths = [float(d) for d in pk.depths]
-    modes = ["full"]
-    if cache_cfg.evict and kinds != {"softmax"}:
-        modes.append("compressed")
+    modes = grid_modes(model, cache_cfg)
     result: dict[str, Any] = {
         "seq_len": seq_len,
         "multipliers": [float(m) for m in pk.length_multipliers],
@@ -142,46 +219,24 @@ def run_passkey(
             "prefill_chunk": cache_cfg.prefill_chunk,
         },
     }
-    rows: list[list[Any]] = []
     t0 = time.time()
-    for mode in modes:
-        cells = []
-        for L in lengths:
-            policy = EvictionPolicy(
-                enabled=mode == "compressed",
-                delta=cache_cfg.delta,
-                margin=cache_cfg.margin,
-                norm_slack=cache_cfg.norm_slack,
-                max_tokens=L,
-            )
-            for d in depths:
-                keys = _cell_keys(pk.seed, L, d, pk.trials, pk.digits)
-                cell = run_cell(
-                    model,
-                    tokenizer,
-                    length=L,
-                    depth=d,
-                    keys=keys,
-                    digits=pk.digits,
-                    policy=policy,
-                    # Full cache: the whole prompt in one pass of the model's op; compressed: chunks,
-                    # evicting between them.
-                    chunk_size=cache_cfg.prefill_chunk if mode == "compressed" else None,
-                    prefix_ids=list(prefix_ids or []),
-                    device=device,
-                )
-                cell["mode"] = mode
-                cells.append(cell)
-                rows.append(
-                    [mode, L, L / seq_len, d, cell["accuracy"], cell["cache_fraction"], cell["trials"]]
-                )
-            log.info(
-                "passkey %s length %d: accuracy %.3f",
-                mode,
-                L,
-                sum(c["correct"] for c in cells if c["length"] == L) / (pk.trials * len(depths)),
-            )
-        result["modes"][mode] = {**_summarize(cells, lengths, depths), "cells": cells}
+
+    def cell(length: int, depth: float, policy: EvictionPolicy, chunk_size: int | None) -> dict[str, Any]:
+        keys = _cell_keys(pk.seed, length, depth, pk.trials, pk.digits)
+        return run_cell(
+            model,
+            tokenizer,
+            length=length,
+            depth=depth,
+            keys=keys,
+            digits=pk.digits,
+            policy=policy,
+            chunk_size=chunk_size,
+            prefix_ids=list(prefix_ids or []),
+            device=device,
+        )
+
+    result["modes"], rows = run_grid(cell, lengths, depths, modes, cache_cfg, seq_len=seq_len, name="passkey")
     result["seconds"] = round(time.time() - t0, 2)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,13 +252,11 @@ def run_passkey(
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
-def plot_passkey(result: dict[str, Any], path: Path) -> None:
-    """Heatmaps (length x depth) of accuracy, one per cache mode."""
+def plot_passkey(result: dict[str, Any], path: Path, title: str | None = None) -> None:
+    """Heatmaps (length x depth) of accuracy, one per cache mode (title: a figure title above them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,5 +287,7 @@ def plot_passkey(result: dict[str, Any], path: Path) -> None:
             title += f", cache kept {m['cache_fraction']:.0%}"
         ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=100)
     plt.close(fig)

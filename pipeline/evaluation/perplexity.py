@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fpa_model.cache import EvictionPolicy, prefill
+from pipeline.atomic import atomic_write_text
 
 log = logging.getLogger("fpa")
 
@@ -203,9 +204,7 @@ def run_perplexity(
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = perplexity_stem(split)
-    tmp = out_dir / f".{stem}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(out_dir / f"{stem}.json")
+    atomic_write_text(out_dir / f"{stem}.json", json.dumps(result, indent=1) + "\n")
     plot_perplexity(result, out_dir / f"{stem}.png")
     return result
 

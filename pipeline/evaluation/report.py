@@ -41,6 +41,13 @@ a missing figure is null, never absent):
                                           no task was asked for (reports written before it: read as null)
     data_sources                          a mixture's train sources (data.mixture): {"<name>": {"weight",
                                           "documents", "tokens", "sequences"}}; null for one source
+    long_context                          the long-context task grids (eval.long_context): {"<task id>":
+                                          {"task", "size", "taught", "trials", "digits", "accuracy",
+                                          "accuracy_per_length", "accuracy_compressed",
+                                          "accuracy_compressed_per_length", "cache_fraction", "grid":
+                                          {"lengths", "depths", "full", "compressed"}}}; taught: the
+                                          training phase used this task (train.passkey.task); null when no
+                                          task ran (reports written before it: read as null)
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from pipeline.atomic import atomic_write_text
 
 SCHEMA_VERSION = 1
 
@@ -80,9 +89,10 @@ REPORT_KEYS = (
     "heldout",
     "harness",
     "data_sources",
+    "long_context",
 )
 # Keys added to schema 1 later: a report written before them still loads, with the key read as null.
-LATER_KEYS = ("heldout", "harness", "data_sources")
+LATER_KEYS = ("heldout", "harness", "data_sources", "long_context")
 
 
 def build_report(
@@ -101,6 +111,7 @@ def build_report(
     harness: dict[str, Any] | None = None,
     heldout: dict[str, dict[str, Any]] | None = None,
     data_sources: dict[str, dict[str, Any]] | None = None,
+    long_context: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report dict (REPORT_KEYS, in that order) from the passkey and perplexity results.
 
@@ -177,6 +188,7 @@ def build_report(
         or None,
         "harness": harness or None,
         "data_sources": data_sources or None,
+        "long_context": long_context or None,  # pipeline.evaluation.long_context.report_section
     }
     assert tuple(report) == REPORT_KEYS
     return report
@@ -195,11 +207,55 @@ def _pct(v: float | None) -> str:
 
 
 def _passkey_training_line(t: dict[str, Any]) -> str:
+    task = t.get("task")  # absent: the passkey (reports before train.passkey.task, and its default)
+    if task:
+        return (
+            f"- long-context training: the last {t['steps']} steps added {t['batch']} {task} prompts "
+            f"({t['digits']}-digit values, loss on the answer only, weight {t['weight']:g}) to every micro "
+            "batch (train.passkey.task), so that task's grid tests a skill the model was taught"
+        )
     return (
         f"- passkey training: the last {t['steps']} steps added {t['batch']} passkey prompts "
         f"({t['digits']}-digit keys, loss on the answer only, weight {t['weight']:g}) to every micro "
         "batch (train.passkey), so the grid tests a skill the model was taught"
     )
+
+
+def _grid_lines(
+    title: str, lengths: list[int], depths: list[float], grid: list[list[float]], per_len: dict, seq_len: int
+) -> list[str]:
+    """A length x depth accuracy table with a mean column."""
+    lines = [title, ""]
+    lines.append("| length | " + " | ".join(f"{d:.0%}" for d in depths) + " | mean |")
+    lines.append("|---" * (len(depths) + 2) + "|")
+    for L, row in zip(lengths, grid):
+        cells = " | ".join(f"{a:.2f}" for a in row)
+        lines.append(f"| {L} ({L / seq_len:g}x) | {cells} | {per_len[str(L)]:.2f} |")
+    return [*lines, ""]
+
+
+def _long_context_markdown(lc: dict[str, Any] | None, seq_len: int) -> list[str]:
+    """One section per long-context task: whether it was taught, then its grids per cache mode."""
+    lines: list[str] = []
+    for tid, t in (lc or {}).items():
+        taught = "taught in training" if t.get("taught") else "not taught in training"
+        lines += [
+            f"## Long-context task {tid} ({taught})",
+            "",
+            f"Accuracy: full cache {_pct(t['accuracy'])}, compressed {_pct(t['accuracy_compressed'])} "
+            f"with {_pct(t['cache_fraction'])} of the cache kept; {t['trials']} prompts per cell, "
+            f"{t['digits']}-digit values; heatmaps: `long_context-{tid}.png`.",
+            "",
+        ]
+        g = t["grid"]
+        for mode, per_len in (
+            ("full", "accuracy_per_length"),
+            ("compressed", "accuracy_compressed_per_length"),
+        ):
+            if g[mode]:
+                title = f"### {tid}, {mode} cache (rows: length, columns: needle depth)"
+                lines += _grid_lines(title, g["lengths"], g["depths"], g[mode], t[per_len], seq_len)
+    return lines
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -242,17 +298,11 @@ def report_markdown(report: dict[str, Any]) -> str:
         for mode in ("full", "compressed"):
             if not grid[mode]:
                 continue
-            lines += [f"## Passkey accuracy, {mode} cache (rows: length, columns: needle depth)", ""]
-            lines.append("| length | " + " | ".join(f"{d:.0%}" for d in grid["depths"]) + " | mean |")
-            lines.append("|---" * (len(grid["depths"]) + 2) + "|")
             per_len = r[
                 "passkey_accuracy_per_length" if mode == "full" else "passkey_accuracy_compressed_per_length"
             ]
-            for L, row in zip(grid["lengths"], grid[mode]):
-                mult = L / r["seq_len"]
-                cells = " | ".join(f"{a:.2f}" for a in row)
-                lines.append(f"| {L} ({mult:g}x) | {cells} | {per_len[str(L)]:.2f} |")
-            lines.append("")
+            title = f"## Passkey accuracy, {mode} cache (rows: length, columns: needle depth)"
+            lines += _grid_lines(title, grid["lengths"], grid["depths"], grid[mode], per_len, r["seq_len"])
         if r["cache_fraction_per_length"] and grid["compressed"]:
             lines += [
                 "Cache kept by length: "
@@ -279,6 +329,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Loss by position: `perplexity.png`; passkey heatmaps: `passkey.png`.", ""]
     lines += _heldout_markdown(r.get("heldout"))
     lines += _harness_markdown(r.get("harness"))
+    lines += _long_context_markdown(r.get("long_context"), r["seq_len"])
     return "\n".join(lines)
 
 
@@ -325,10 +376,8 @@ def write_report(report: dict[str, Any], eval_dir: Path) -> tuple[Path, Path]:
     """report.json and report.md into eval_dir (each written atomically)."""
     eval_dir.mkdir(parents=True, exist_ok=True)
     pj, pm = eval_dir / "report.json", eval_dir / "report.md"
-    for path, text in ((pj, json.dumps(report, indent=1) + "\n"), (pm, report_markdown(report))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    atomic_write_text(pj, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(pm, report_markdown(report))
     return pj, pm
 
 
@@ -451,6 +500,26 @@ def harness_metrics(report: dict[str, Any] | None) -> dict[str, float]:
         for metric, value in (metrics if isinstance(metrics, dict) else {}).items():
             if not str(metric).endswith("_stderr") and _number(value) is not None:
                 out[f"harness:{task}/{metric}"] = float(value)
+    return out
+
+
+def long_context_metrics(report: dict[str, Any] | None) -> dict[str, float]:
+    """{"lc:<task>": full-cache accuracy, "lc:<task>/compressed": with eviction, "lc:<task>/longest": full
+    cache at the longest length} of the report's long-context tasks; {} when there are none. A sweep's
+    table gets these columns for every task found."""
+    lc = report.get("long_context") if isinstance(report, dict) else None
+    out: dict[str, float] = {}
+    for tid, t in (lc if isinstance(lc, dict) else {}).items():
+        if not isinstance(t, dict):
+            continue
+        by_len = _by_length(t.get("accuracy_per_length"))
+        for col, v in (
+            (f"lc:{tid}", _number(t.get("accuracy"))),
+            (f"lc:{tid}/compressed", _number(t.get("accuracy_compressed"))),
+            (f"lc:{tid}/longest", by_len[max(by_len)] if by_len else None),
+        ):
+            if v is not None:
+                out[col] = v
     return out
 
 

@@ -1,6 +1,6 @@
 """Passkey-recipe trials: how fast, and how well, trained runs learned passkey retrieval, read from the runs.
 
-    python bench/passkey_trials.py runs/kind.kind-fpa.seed-0 runs/trial.* [--out docs/results/passkey_trials]
+    python experiments/passkey_trials.py runs/kind.kind-fpa.seed-0 runs/trial.* [--out DIR]
 
 For each run directory (a full `fpa run`, or a training stopped early): the recipe it was trained with (the
 config keys that decide passkey learning, read from its config.yaml), the seed, the commit it was trained
@@ -17,17 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.results import (  # noqa: E402
+from pipeline.provenance import (
     finish_provenance,
     markdown_table,
     provenance,
     provenance_md,
     write_result,
 )
-from pipeline.rundir import stage_commit  # noqa: E402
+from pipeline.rundir import stage_commit
 
 SOLVED, WINDOW = 0.1, 10
 RECIPE = {  # column: dotted config key

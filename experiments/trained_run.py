@@ -1,5 +1,5 @@
-"""A trained run loaded for a bench probe (its exported weights, tokenizer and passkey grid) and the passkey
-grid evaluated on it, per length: shared by bench/cache_bound.py and bench/passkey_sharpness.py."""
+"""A trained run loaded for a probe (its exported weights, tokenizer and passkey grid) and the passkey grid
+evaluated on it, per length: shared by experiments/cache_bound.py and experiments/passkey_sharpness.py."""
 
 from __future__ import annotations
 

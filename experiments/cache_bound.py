@@ -2,8 +2,8 @@
 (with the expected length as horizon, as `fpa eval` uses it, and without a horizon) beside fixed
 thresholds, on the passkey grid of a trained run.
 
-    python bench/cache_bound.py --run runs/tiny          # after `make demo`
-    python bench/cache_bound.py --run runs/tiny --deltas 2 4 6 8 --trials 10
+    python experiments/cache_bound.py --run runs/tiny          # after `make demo`
+    python experiments/cache_bound.py --run runs/tiny --deltas 2 4 6 8 --trials 10
 
 Writes docs/results/cache_bound/result.{json,md} (or --out) with the commit, machine and command.
 """
@@ -11,18 +11,15 @@ Writes docs/results/cache_bound/result.{json,md} (or --out) with the commit, mac
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import provenance, provenance_md, write_result  # noqa: E402
-from bench.trained_run import load_trained_run, passkey_by_length  # noqa: E402
-from fpa_model.cache import EvictionPolicy  # noqa: E402
+from experiments.trained_run import load_trained_run, passkey_by_length
+from fpa_model.cache import EvictionPolicy
+from pipeline.provenance import provenance, provenance_md, write_result
 
 
 def policies(margin: float, norm_slack: float, deltas: list[float]) -> list[tuple[str, dict[str, Any]]]:
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    prov = provenance(None if argv is None else ["bench/cache_bound.py", *argv])
+    prov = provenance(None if argv is None else ["experiments/cache_bound.py", *argv])
     data = {
         "run": str(args.run),
         # The commit the model was trained at (its train manifest); provenance has the bench's own.

@@ -2,8 +2,8 @@
 every attention logit multiplied by s (the qk-norm gains scaled by sqrt(s)): if retrieval at 8x recovers
 at a modest s, the heads found the needle but were not sharp enough to single it out among 8x more keys.
 
-    python bench/passkey_sharpness.py runs/demo.seed-0 runs/kind.kind-fpa.seed-0 --scales 1 1.25 1.5 2
-    python bench/passkey_sharpness.py runs/kind.* --scales 1        # log-n scaling off vs on, any kind
+    python experiments/passkey_sharpness.py runs/demo.seed-0 runs/kind.kind-fpa.seed-0 --scales 1 1.25 1.5 2
+    python experiments/passkey_sharpness.py runs/kind.* --scales 1        # log-n scaling off vs on, any kind
 
 Each scale is measured with log-n scaling (model.attention.log_scale_length) off and on from the training
 length (`--log-n both`, the default), or as the run was trained (`--log-n as-trained`). Full cache, the
@@ -22,17 +22,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import (  # noqa: E402
+from experiments.trained_run import TrainedRun, load_trained_run, passkey_by_length
+from fpa_model.cache import EvictionPolicy
+from pipeline.provenance import (
     finish_provenance,
     markdown_table,
     provenance,
     provenance_md,
     write_result,
 )
-from bench.trained_run import TrainedRun, load_trained_run, passkey_by_length  # noqa: E402
-from fpa_model.cache import EvictionPolicy  # noqa: E402
 
 
 def logit_scale(tr: TrainedRun) -> float | None:
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if any(s <= 0 for s in args.scales):
         ap.error("--scales must be > 0")
-    prov = provenance(None if argv is None else ["bench/passkey_sharpness.py", *argv])
+    prov = provenance(None if argv is None else ["experiments/passkey_sharpness.py", *argv])
     torch.manual_seed(0)
     results = []
     for run in args.runs:

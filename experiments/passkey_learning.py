@@ -1,8 +1,8 @@
 """How fast the tiny model learns passkey retrieval: passkey prompts alone (no language-model batch), the
 steps until the answer loss (mean over 25 steps) falls below 0.1, per seed and variant.
 
-    python bench/passkey_learning.py --data runs/data/tiny-kjv                 # baseline and kv-shift
-    python bench/passkey_learning.py --data DIR --variants base lr=1e-2 --seeds 1 2 3
+    python experiments/passkey_learning.py --data runs/data/tiny-kjv                 # baseline and kv-shift
+    python experiments/passkey_learning.py --data DIR --variants base lr=1e-2 --seeds 1 2 3
 
 The demo's retrieval is fragile because the answer loss sits on a plateau (format learned, digits not)
 until a late, seed-dependent transition; this measures that transition without the cost of full runs.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import provenance, provenance_md, write_result  # noqa: E402
-from data_prep import passkey as pk  # noqa: E402
-from data_prep.tokenizer import load_tokenizer  # noqa: E402
-from fpa_model.model import GPT  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from data_prep import passkey as pk
+from data_prep.tokenizer import load_tokenizer
+from fpa_model.model import GPT
+from pipeline.config import load_config
+from pipeline.provenance import provenance, provenance_md, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW, SOLVED = 25, 0.1
@@ -108,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     tok = load_tokenizer(args.data)
     rows = [run(v, s, args, tok) for v in args.variants for s in args.seeds]
-    prov = provenance(None if argv is None else ["bench/passkey_learning.py", *argv])
+    prov = provenance(None if argv is None else ["experiments/passkey_learning.py", *argv])
     data = {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
     data["provenance"] = prov
     lines = [

@@ -1,6 +1,7 @@
-"""Keep the README's figures equal to the result files the code wrote.
+"""Keep the figures on the README and the guide pages (docs/*.md, experiments/*.md) equal to the result
+files the code wrote.
 
-A README block
+A block on a page
 
     <!-- result: docs/results/cache_bound/result.md -->
     ...
@@ -9,8 +10,11 @@ A README block
 holds a copy of that file (without its top-level `# title` line), or with `path#Heading` of the section
 under the first heading that starts with `Heading` (to the next heading of the same or a higher level).
 
-    python bench/readme_results.py           # rewrite the blocks from the files
-    python bench/readme_results.py --check   # exit 1 naming every block that differs (the tests run this)
+Paths are relative to the repository root, whichever page holds the block.
+
+    python bench/result_blocks.py            # rewrite the blocks of every page from the files
+    python bench/result_blocks.py --check    # exit 1 naming every block that differs (the tests run this)
+    python bench/result_blocks.py docs/results.md   # only these pages
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ BLOCK = re.compile(r"(<!-- result: (?P<ref>[^ ]+) -->\n)(?P<body>.*?)(<!-- /resu
 
 
 class ResultRefError(ValueError):
-    """A README block names a file or section that does not exist."""
+    """A block names a file or section that does not exist."""
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """The pages whose blocks are kept: the README and the guide (docs/*.md, experiments/*.md)."""
+    guide = [*sorted((root / "docs").glob("*.md")), *sorted((root / "experiments").glob("*.md"))]
+    return [root / "README.md", *guide]
 
 
 def _heading(line: str) -> int:
@@ -38,7 +48,7 @@ def extract(ref: str, root: Path = ROOT) -> str:
     path, _, section = ref.partition("#")
     file = root / path
     if not file.is_file():
-        raise ResultRefError(f"README names {path}, which does not exist (run the command that writes it)")
+        raise ResultRefError(f"a block names {path}, which does not exist (run the command that writes it)")
     lines = file.read_text().splitlines()
     if section:
         starts = [
@@ -57,7 +67,7 @@ def extract(ref: str, root: Path = ROOT) -> str:
 
 
 def sync(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
-    """(the README text with every block refreshed, the refs of the blocks that changed)."""
+    """(the page's text with every block refreshed, the refs of the blocks that changed)."""
     changed: list[str] = []
 
     def repl(m: re.Match[str]) -> str:
@@ -72,21 +82,29 @@ def sync(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only report blocks that differ from their files")
-    ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the directory block paths are relative to")
+    ap.add_argument("pages", nargs="*", type=Path, help="pages to sync (default: README.md, docs/*.md, ...)")
     args = ap.parse_args(argv)
-    text = args.readme.read_text()
-    try:
-        new, changed = sync(text, args.readme.parent)
-    except ResultRefError as e:
-        print(f"readme_results: {e}", file=sys.stderr)
-        return 1
+    todo = args.pages or pages(args.root)
+    stale: list[str] = []
+    for page in todo:
+        text = page.read_text()
+        name = page.relative_to(args.root) if page.is_relative_to(args.root) else page
+        try:
+            new, changed = sync(text, args.root)
+        except ResultRefError as e:
+            print(f"result_blocks: {name}: {e}", file=sys.stderr)
+            return 1
+        if args.check:
+            stale += [f"{name}: block {ref}" for ref in changed]
+        elif changed:
+            page.write_text(new)
+            stale += [f"{name}: block {ref}" for ref in changed]
     if args.check:
-        for ref in changed:
-            print(f"readme_results: README block {ref} differs from the file (run bench/readme_results.py)")
-        return 1 if changed else 0
-    if changed:
-        args.readme.write_text(new)
-    print(f"{len(changed)} block(s) updated" if changed else "README blocks match their result files")
+        for s in stale:
+            print(f"result_blocks: {s} differs from its file (run python bench/result_blocks.py)")
+        return 1 if stale else 0
+    print(f"{len(stale)} block(s) updated" if stale else "every block matches its result file")
     return 0
 
 
