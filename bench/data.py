@@ -420,10 +420,14 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
+        dirty = None
         for name, sections in RESULT_GROUPS.items():
             if not only & set(sections):
                 continue
             prov = provenance(None if argv is None else ["bench/data.py", *argv])
+            # the tree as this run found it: a result file an earlier group of the run wrote is not code
+            dirty = prov["dirty"] if dirty is None else dirty
+            prov["dirty"] = dirty
             if "prepare" in only and "prepare" in sections:
                 out["prepare"] = bench_prepare(cfg.data, work, args.repeats)
                 print_prepare(out["prepare"], args.repeats)
