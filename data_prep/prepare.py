@@ -47,7 +47,7 @@ from data_prep.index import (
     sha256_file,
     write_index,
 )
-from data_prep.shards import SplitWriter, TokenizerPool, pick_dtype, tokenize_stream
+from data_prep.shards import SplitWriter, Tagged, TokenizerPool, pick_dtype, stream_batches, tokenize_streams
 from data_prep.sources import describe_source, iter_documents, source_label
 from data_prep.tokenizer import eod_id, read_tokenizer_file, tokenizer_json, train_tokenizer
 
@@ -505,11 +505,14 @@ def _prepare_into(cfg: DataConfig, root: Path, *, progress: bool) -> dict[str, A
     (root / TOKENIZER_FILE).write_bytes(raw)
 
     written = []
-    with _tokenizer_pool(cfg, tok) as pool:
-        for stream in _streams(cfg, train, tok):
+    streams = _streams(cfg, train, tok)
+    with (
+        _tokenizer_pool(cfg, tok) as pool,
+        _tokenize(tok, (s.docs() for s in streams), eod, dtype, cfg, pool) as tagged,
+    ):
+        for k, stream in enumerate(streams):
             writer = _writer(root, stream.split, cfg, dtype, stream.name)
-            tokens = _tokenize(tok, stream.docs(), eod, dtype, cfg, pool)
-            _write_split(writer, tokens, stream.n_docs, progress)
+            _write_split(writer, stream_batches(tagged, k), stream.n_docs, progress)
             shards = writer.close()
             _check_stream(stream, writer, shards, cfg)
             written.append((stream, shards, {**writer.stats.as_dict(), "passkey_documents": stream.passkey}))
@@ -717,13 +720,22 @@ def prepare_part(cfg: DataConfig, out_dir: Path, part: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     out: list[dict[str, int]] = []
     try:
-        with _rayon_threads(cfg.num_workers), _tokenizer_pool(cfg, tok) as pool:
-            for k, (stream, planned) in enumerate(zip(_planned_streams(cfg, plan, tok), plan["streams"])):
-                lo, hi = planned["documents"] * part // n_parts, planned["documents"] * (part + 1) // n_parts
-                docs = itertools.islice(stream.docs(), lo, hi)
+        streams = _planned_streams(cfg, plan, tok)
+        # this part's slice [lo, hi) of each stream's documents
+        bounds = [
+            (p["documents"] * part // n_parts, p["documents"] * (part + 1) // n_parts)
+            for p in plan["streams"]
+        ]
+        docs = (itertools.islice(s.docs(), lo, hi) for s, (lo, hi) in zip(streams, bounds))
+        with (
+            _rayon_threads(cfg.num_workers),
+            _tokenizer_pool(cfg, tok) as pool,
+            _tokenize(tok, docs, eod, "uint32", cfg, pool) as tagged,
+        ):
+            for k, (stream, (lo, hi)) in enumerate(zip(streams, bounds)):
                 n_docs = n_tokens = 0
                 with open(tmp / f"stream-{k:03d}.u32", "wb") as f:
-                    for n, arr in _tokenize(tok, docs, eod, "uint32", cfg, pool):
+                    for n, arr in stream_batches(tagged, k):
                         f.write(arr.tobytes())
                         n_docs += n
                         n_tokens += len(arr)
@@ -837,10 +849,19 @@ def _tokenizer_pool(cfg: DataConfig, tok: Any) -> contextlib.AbstractContextMana
 
 
 def _tokenize(
-    tok: Any, docs: Iterable[str], eod: int, dtype: str, cfg: DataConfig, pool: TokenizerPool | None
-) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, tokens) per batch, in document order, in this process or in the pool's workers."""
-    return tokenize_stream(tok, docs, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs, pool=pool)
+    tok: Any,
+    streams: Iterable[Iterable[str]],
+    eod: int,
+    dtype: str,
+    cfg: DataConfig,
+    pool: TokenizerPool | None,
+) -> contextlib.closing[Iterator[Tagged]]:
+    """tokenize_streams' (stream, documents, tokens) in order, in this process or in the pool's workers;
+    closed on leaving the `with`, which stops its threads (also when a stream fails)."""
+    tagged = tokenize_streams(
+        tok, streams, eod=eod, dtype=dtype, batch_docs=cfg.tokenize_batch_docs, pool=pool
+    )
+    return contextlib.closing(tagged)
 
 
 def _write_split(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
+import itertools
 import multiprocessing
 import os
 import queue
@@ -62,20 +63,37 @@ def _batches(docs: Iterable[str], batch_docs: int, batch_chars: int) -> Iterator
         yield batch
 
 
+def _tagged_batches(
+    streams: Iterable[Iterable[str]], batch_docs: int, batch_chars: int
+) -> Iterator[tuple[int, list[str] | None]]:
+    """(stream, batch) for every stream in turn, and (stream, None) where a stream ends."""
+    for k, docs in enumerate(streams):
+        for batch in _batches(docs, batch_docs, batch_chars):
+            yield k, batch
+        yield k, None
+
+
 def encode_documents(tok: Tokenizer, docs: list[str], eod: int, dtype: str) -> np.ndarray:
-    """One flat token array: each document's tokens followed by the end-of-document token."""
-    encs = tok.encode_batch(docs, add_special_tokens=False)
-    parts = []
-    tail = np.array([eod], dtype=dtype)
-    for e in encs:
-        parts.append(np.array(e.ids, dtype=dtype))
-        parts.append(tail)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    """One flat token array: each document's tokens followed by the end-of-document token.
+
+    encode_batch_fast (tokenizers >= 0.20) gives the same ids as encode_batch without computing the
+    offsets, which prepare never reads (and which cost as much to free as to build). The ids go straight
+    from the encodings into one array (np.fromiter over one chain), without a small array per document.
+    """
+    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+    encs = encode(docs, add_special_tokens=False)
+    n = sum(len(e) for e in encs) + len(encs)
+    tail = (eod,)
+    ids = itertools.chain.from_iterable(itertools.chain(e.ids, tail) for e in encs)
+    return np.fromiter(ids, dtype=dtype, count=n)
 
 
-def tokenize_stream(
+Tagged = tuple[int, int, np.ndarray | None]  # (stream, documents, tokens); tokens None: the stream ended
+
+
+def tokenize_streams(
     tok: Tokenizer,
-    docs: Iterable[str],
+    streams: Iterable[Iterable[str]],
     *,
     eod: int,
     dtype: str,
@@ -83,22 +101,39 @@ def tokenize_stream(
     batch_chars: int = 4 << 20,
     prefetch: int = 2,
     pool: TokenizerPool | None = None,
-) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, tokens) per batch: a reader thread batches documents, a second thread tokenizes them
-    (with a pool: hands them to its worker processes).
+) -> Iterator[Tagged]:
+    """(stream, documents, tokens) per batch of each document stream in turn, in document order, and
+    (stream, 0, None) where stream k ends: a reader thread batches documents, a second thread tokenizes
+    them (with a pool: hands them to its worker processes).
 
-    Reading (Python: JSON parsing, decoding) overlaps the previous batch's encode_batch, which releases
-    the GIL; the consumer packs and writes meanwhile. Batches of a few million characters keep every
-    core busy and bound the memory of one batch (measured: one encode_batch over a whole corpus used 8.8 GB).
+    One reader for all the streams of a prepare: it runs ahead into the next stream while the last
+    batches of this one are tokenized and written, so reading a split (Python: JSON parsing, decoding)
+    overlaps encode_batch, which releases the GIL, instead of waiting for it. Batches of a few million
+    characters keep every core busy and bound the memory of one batch (measured: one encode_batch over a
+    whole corpus used 8.8 GB). A stream is a lazy iterable (a generator): it starts reading when reached.
     """
     if pool is not None:  # every worker needs batches to work on, also from a corpus of a few MB
         batch_chars = min(batch_chars, POOL_BATCH_CHARS)
-    batches = in_thread(_batches(docs, batch_docs, batch_chars), prefetch, "read-docs")
+    batches = in_thread(_tagged_batches(streams, batch_docs, batch_chars), prefetch, "read-docs")
+    encoded: Iterable[Tagged]
     if pool is not None:
         encoded = pool.encode(batches, eod, dtype, prefetch)
     else:
-        encoded = ((len(b), encode_documents(tok, b, eod, dtype)) for b in batches)
+        encoded = (
+            (k, 0, None) if b is None else (k, len(b), encode_documents(tok, b, eod, dtype))
+            for k, b in batches
+        )
     return in_thread(encoded, prefetch, "tokenize")
+
+
+def stream_batches(tagged: Iterator[Tagged], k: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(documents, tokens) of stream k, taken from `tagged` up to and including stream k's end."""
+    for j, n, tokens in tagged:
+        if j != k:
+            raise RuntimeError(f"token batches of stream {j} where stream {k}'s were expected")
+        if tokens is None:
+            return
+        yield n, tokens
 
 
 POOL_BATCH_CHARS = 1 << 18  # batches for worker processes: about 60k tokens, many per worker
@@ -146,21 +181,29 @@ class TokenizerPool:
             sys.modules["__main__"] = main
 
     def encode(
-        self, batches: Iterable[list[str]], eod: int, dtype: str, prefetch: int = 2
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        """(documents, tokens) per batch, in submission order; at most processes + prefetch batches in
-        flight (Pool.imap would read the whole corpus ahead into memory)."""
-        window: collections.deque[Future[tuple[int, np.ndarray]]] = collections.deque()
+        self, batches: Iterable[tuple[int, list[str] | None]], eod: int, dtype: str, prefetch: int = 2
+    ) -> Iterator[Tagged]:
+        """tokenize_streams' (stream, documents, tokens) for its (stream, batch) items, in submission
+        order; at most processes + prefetch batches in flight (Pool.imap would read the whole corpus
+        ahead into memory)."""
+        window: collections.deque[tuple[int, Future[tuple[int, np.ndarray]] | None]] = collections.deque()
+
+        def result(k: int, f: Future[tuple[int, np.ndarray]] | None) -> Tagged:
+            return (k, 0, None) if f is None else (k, *f.result())
+
         try:
-            for batch in batches:
-                window.append(self._pool.submit(_worker_encode, batch, eod, dtype))
+            for k, batch in batches:
+                window.append(
+                    (k, None if batch is None else self._pool.submit(_worker_encode, batch, eod, dtype))
+                )
                 if len(window) >= self.processes + prefetch:
-                    yield window.popleft().result()
+                    yield result(*window.popleft())
             while window:
-                yield window.popleft().result()
+                yield result(*window.popleft())
         finally:
-            for f in window:
-                f.cancel()
+            for _, f in window:
+                if f is not None:
+                    f.cancel()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -247,6 +290,20 @@ class SplitStats:
         return dict(self.__dict__)
 
 
+class _HashingWriter:
+    """A write-only stream wrapper that hashes and counts everything written through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, b: bytes) -> int:
+        self.sha.update(b)
+        self.nbytes += len(b)
+        return self.raw.write(b)
+
+
 class SplitWriter:
     """Packs token batches into sequences and writes them as shards <split>/<name>-NNNNN.tar (name: the
     split's, or a mixture source's, whose shards then sit beside the other sources' in the split)."""
@@ -307,20 +364,23 @@ class SplitWriter:
         members = 0
         # Plain tarfile writes the same USTAR layout as webdataset's TarWriter(mtime=0) without importing
         # webdataset, which imports torch (seconds) in a step that needs neither.
-        with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
-            for m in range(0, len(rows), self.per_member):
-                payload = _npy_bytes(rows[m : m + self.per_member])
-                info = tarfile.TarInfo(f"{self.name}-{i:05d}-{members:06d}.npy")
-                info.size, info.mtime, info.mode = len(payload), 0, 0o444
-                info.uname = info.gname = "fpa"
-                tar.addfile(info, io.BytesIO(payload))
-                members += 1
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        # Hashed on its way to the file (no second read of what was just written).
+        with open(path, "wb") as f:
+            out = _HashingWriter(f)
+            with tarfile.open(fileobj=out, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+                for m in range(0, len(rows), self.per_member):
+                    payload = _npy_bytes(rows[m : m + self.per_member])
+                    info = tarfile.TarInfo(f"{self.name}-{i:05d}-{members:06d}.npy")
+                    info.size, info.mtime, info.mode = len(payload), 0, 0o444
+                    info.uname = info.gname = "fpa"
+                    tar.addfile(info, io.BytesIO(payload))
+                    members += 1
+        digest, size = out.sha.hexdigest(), out.nbytes
         self.shards.append(
             ShardInfo(
                 file=rel,
                 sha256=digest,
-                bytes=path.stat().st_size,
+                bytes=size,
                 members=members,
                 sequences=len(rows),
                 tokens=int(rows.size),

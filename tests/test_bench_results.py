@@ -104,6 +104,24 @@ def test_data_markdown() -> None:
     assert set(data.RESULT_GROUPS["data"]) == {"prepare", "loader"}
 
 
+def test_data_prepare_markdown() -> None:
+    """The processes section at 10x: wall time and memory per process count (no worker at 1 process)."""
+    data = _bench("data")
+    row = {
+        "prepare_seconds": 5.0, "prepare_tokens_per_s": 2e6, "raw_encode_batch_tokens_per_s": 1.6e6,
+        "ratio": 1.25, "paired_median_ratio": 1.26, "prepare_runs": [2e6] * 3, "raw_runs": [1.6e6] * 3,
+        "rss_before_mb": 231.0, "peak_rss_mb": 392.0, "tree_peak_rss_mb": 392.0, "worker_peak_rss_mb": 0.0,
+        "maxrss_mb": 500.0,
+    }  # fmt: skip
+    rows = [{**row, "processes": 1}, {**row, "processes": 2, "worker_peak_rss_mb": 235.0}]
+    p = {"documents": 11395, "tokens": 10_065_069, "scale": 10, "repeats": 3, "corpus_mb": 38.2, "rows": rows}
+    out = {"processes": p}
+    md = data.result_markdown(out, _prov())
+    assert "10x as jsonl (38 MB" in md and "medians of 3" in md
+    assert "| 1 | 5.0 | 2.000 | 1.600 | 1.25 | 1.26 | 392 (231) / - / 392 |" in md
+    assert "| 2 | 5.0 | 2.000 | 1.600 | 1.25 | 1.26 | 392 (231) / 235 / 392 |" in md
+
+
 def test_context_parallel_markdown() -> None:
     cp = _bench("context_parallel")
     rows = [
