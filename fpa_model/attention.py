@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from fpa_model.config import AttentionConfig
 from fpa_model.context_parallel import SequenceParallel, chunk_predecessors, sequence_parallel_attention
 from fpa_model.ops.fpa import fpa_attention
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 
 
 class RMSNorm(nn.Module):
@@ -107,11 +108,9 @@ class Attention(nn.Module):
         self.n_head = n_head
         self.head_dim = d_model // n_head
         self.cfg = cfg
-        self.kind = cfg.kind
-        # FoX is exactly the gate parametrization with the phi_i - phi_j bias.
-        self.field_mode: str | None = (
-            None if cfg.kind == "softmax" else ("gate" if cfg.kind == "fox" else cfg.field)
-        )
+        self.kind = cfg.kind  # resolved into self.spec (the flags every path reads)
+        # FoX is exactly the gate parametrization with the phi_i - phi_j bias (its fixed field).
+        self.field_mode: str | None = (self.spec.fixed_field or cfg.field) if self.spec.has_field else None
         self.use_rope = cfg.use_rope
         if self.use_rope and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim; got {self.head_dim}")
@@ -137,6 +136,15 @@ class Attention(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    @property
+    def kind(self) -> str:
+        """The attention kind's name (fpa | fox | softmax); self.spec holds its resolved flags."""
+        return self.spec.name
+
+    @kind.setter
+    def kind(self, kind: str | AttentionKind) -> None:
+        self.spec = resolve_kind(kind)
 
     # ------------------------------------------------------------------------------------------------
     # Init
@@ -288,7 +296,7 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
         """The attention op with this layer's kind / impl / block size (q may be shorter than k)."""
-        return fpa_attention(q, k, v, phi, kind=self.kind, impl=self.cfg.impl, block_size=self.cfg.block_size)
+        return fpa_attention(q, k, v, phi, kind=self.spec, impl=self.cfg.impl, block_size=self.cfg.block_size)
 
     def forward(self, x: Tensor) -> Tensor:
         """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model).
@@ -335,7 +343,7 @@ class Attention(nn.Module):
         else:
             q, k, v, u = self._finish_projection(x, q, k, v, ids[0] * c)
         o = sequence_parallel_attention(
-            q, k, v, u, sp, kind=self.kind, field=self.field_mode or "walk", block_size=self.cfg.block_size,
+            q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk", block_size=self.cfg.block_size,
             impl=self.cfg.impl,
         )  # fmt: skip
         return self.output(o, x)

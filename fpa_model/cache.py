@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from fpa_model.attention import log_length_factor
-from fpa_model.config import ATTENTION_KINDS
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
@@ -120,16 +120,15 @@ class LayerCache:
 
     def __init__(
         self,
-        kind: str,
+        kind: str | AttentionKind,
         policy: EvictionPolicy | None = None,
         scale: float | None = None,
         *,
         q_bound: float | None = None,
         k_bound: float | None = None,
     ) -> None:
-        if kind not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention kind {kind!r}")
-        self.kind = kind
+        self.spec = resolve_kind(kind)
+        self.kind = self.spec.name
         self.policy = policy or EvictionPolicy()
         self.scale = scale
         # Hard ceilings on every query / key norm (qk_norm); None: estimated from the norms seen.
@@ -186,7 +185,7 @@ class LayerCache:
     @torch.no_grad()
     def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
         b, h, t, d = q.shape
-        if (phi is None) != (self.kind == "softmax"):
+        if (phi is None) == self.spec.has_field:
             raise ValueError(
                 f"attention kind {self.kind!r} {'needs' if phi is None else 'takes no'} field phi"
             )
@@ -196,9 +195,9 @@ class LayerCache:
 
         # Bias of the new keys among themselves (causal, -inf above the diagonal).
         if phi_f is not None:
-            b_new = fpa_bias_naive(phi_f, self.kind)
+            b_new = fpa_bias_naive(phi_f, self.spec)
         else:
-            b_new = fpa_bias_naive(q.new_zeros(b, h, t), "softmax")
+            b_new = fpa_bias_naive(q.new_zeros(b, h, t), self.spec)
         logits_new = scale * torch.einsum("bhid,bhjd->bhij", qf, kf) + b_new
 
         if self.k is not None:
@@ -206,7 +205,7 @@ class LayerCache:
             logits_old = scale * torch.einsum("bhid,bhjd->bhij", qf, self.k.float())
             if phi_f is not None:
                 assert self.phi is not None and self.r is not None
-                if self.kind == "fpa":
+                if self.spec.range_min:
                     prefix_min = torch.cummin(phi_f, dim=-1).values  # min over [now+1, i]
                     b_old = (
                         torch.minimum(self.r[..., None, :], prefix_min[..., :, None]) - self.phi[..., None, :]
@@ -228,7 +227,7 @@ class LayerCache:
         """Add new tokens whose attention output was computed elsewhere (the model's own op, for a first
         chunk), then apply the eviction policy."""
         self._append(q, k, v, None if phi is None else phi.float())
-        if self.policy.enabled and self.kind != "softmax":
+        if self.policy.enabled and self.spec.has_field:
             self._evict()
 
     def _append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
@@ -262,7 +261,7 @@ class LayerCache:
     def _evict(self) -> None:
         assert self.phi is not None and self.r is not None and self.valid is not None
         assert self.k is not None and self.v is not None and self.pos is not None
-        if self.kind == "fpa":
+        if self.spec.range_min:
             bias = self.r - self.phi
         else:  # fox: phi is a cumulative sum of log forget gates, so phi_now is the running min
             assert self.phi_last is not None
@@ -325,7 +324,7 @@ class KVCache:
                     bounds["q_bound"] = (
                         bounds["q_bound"] * float(log_length_factor(n - 1, 1, growth)[0]) if n else None
                     )
-            layers.append(LayerCache(attn.kind, policy, **bounds))
+            layers.append(LayerCache(attn.spec, policy, **bounds))
         return cls(layers)
 
     def fraction_kept(self) -> dict[str, float | list[float]]:
@@ -384,7 +383,7 @@ def prefill(
         raise ValueError(f"prefill needs token ids of shape (B, T>0); got {tuple(idx.shape)}")
     cache = cache if cache is not None else KVCache.for_model(model, policy)
     if chunk_size is None:
-        evicting = any(lc.policy.enabled and lc.kind != "softmax" for lc in cache.layers)
+        evicting = any(lc.policy.enabled and lc.spec.has_field for lc in cache.layers)
         chunk_size = DEFAULT_PREFILL_CHUNK if evicting else idx.shape[1]
     if chunk_size < 1:
         raise ValueError(f"prefill chunk_size must be >= 1; got {chunk_size}")

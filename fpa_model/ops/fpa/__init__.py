@@ -16,6 +16,7 @@ import torch
 
 from fpa_model.config import ATTENTION_IMPLS as IMPLS
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import KINDS, fpa_attention_naive, fpa_bias_naive
 
 
@@ -63,7 +64,7 @@ def fpa_attention(
     v: torch.Tensor,
     phi: torch.Tensor | None = None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     scale: float | None = None,
     impl: str = "auto",
     block_size: int = 64,
@@ -75,14 +76,13 @@ def fpa_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
+    spec = resolve_kind(kind)  # the one resolution of the kind: every path below reads its flags
     if impl == "auto":
         impl = _auto_impl(q, k, v)
     if impl == "naive":
-        return fpa_attention_naive(q, k, v, phi, kind=kind, scale=scale)
+        return fpa_attention_naive(q, k, v, phi, kind=spec, scale=scale)
     if impl == "chunked":
-        return chunked_fpa_attention(q, k, v, phi, kind=kind, scale=scale, block_size=block_size)
+        return chunked_fpa_attention(q, k, v, phi, kind=spec, scale=scale, block_size=block_size)
     try:
         fn = _load_triton()
     except Exception as e:
@@ -91,17 +91,19 @@ def fpa_attention(
             "use impl='chunked' (or 'auto') on machines without a working Triton"
         ) from e
     if phi is None:
-        if kind != "softmax":
-            raise ValueError(f"kind {kind!r} needs a field phi")
+        if spec.has_field:
+            raise ValueError(f"kind {spec.name!r} needs a field phi")
         phi = q.new_zeros(k.shape[:-1])
-    return fn(q, k, v, phi, kind=kind, scale=scale)
+    return fn(q, k, v, phi, kind=spec.name, scale=scale)  # the kernel module takes the kind's name
 
 
 __all__ = [
     "IMPLS",
+    "AttentionKind",
     "KINDS",
     "chunked_fpa_attention",
     "fpa_attention",
     "fpa_attention_naive",
     "fpa_bias_naive",
+    "resolve_kind",
 ]

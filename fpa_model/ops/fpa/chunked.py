@@ -71,7 +71,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from fpa_model.ops.fpa.naive import KINDS
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 
 # Upper bound on score elements (B*H x tiles x block x block) per batched tile step: keeps each
 # temporary in cache and the workspace independent of T.
@@ -280,15 +280,15 @@ def _two_level(phi: torch.Tensor | None, lq: int) -> bool:
 
 def _augment_q(qs, kind, phi_q, ref):
     """[qs, c, r] with c, r as above; ref (the per-row reference) may be None."""
-    c = qs.new_full(qs.shape[:-1], 0.0 if kind == "softmax" else 1.0)
-    r = _f32(phi_q).clone() if kind == "fox" else qs.new_zeros(qs.shape[:-1])
+    c = qs.new_full(qs.shape[:-1], 0.0 if not kind.has_field else 1.0)
+    r = _f32(phi_q).clone() if kind.query_term else qs.new_zeros(qs.shape[:-1])
     if ref is not None:
         r = r - ref
     return torch.cat([qs, c.unsqueeze(-1), r.unsqueeze(-1)], dim=-1)
 
 
 def _augment_k(k, kind, phi_k):
-    neg_phi = k.new_zeros(k.shape[:-1]) if kind == "softmax" else -_f32(phi_k)
+    neg_phi = -_f32(phi_k) if kind.has_field else k.new_zeros(k.shape[:-1])
     return torch.cat([k, neg_phi.unsqueeze(-1), torch.ones_like(neg_phi).unsqueeze(-1)], dim=-1)
 
 
@@ -314,7 +314,7 @@ def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
     a _DiagField (square tiles) or the direct lowest-index range argmin (N, Lq, Lk)."""
     big, neg, _ = masks
     buf = _new_buf(buf, qa.shape[0], qa.shape[1], ka.shape[1], qa)
-    if kind != "fpa":
+    if not kind.range_min:
         return torch.baddbmm(neg, qa, ka.transpose(1, 2), out=buf), None
     if _two_level(phi, qa.shape[1]):
         field = _DiagField(phi, with_arg)
@@ -389,7 +389,7 @@ def _route_diag(ds, arg, kind, buf_w=None):
     if isinstance(arg, _DiagField):
         return arg.route(ds, buf_w)
     dphi = ds.sum(dim=-2).neg_()
-    if kind == "fpa":
+    if kind.range_min:
         dphi.scatter_add_(-1, arg.flatten(-2), ds.flatten(-2))
     else:  # fox: + phi_i for the queries (the last Lq positions)
         dphi[..., dphi.shape[-1] - ds.shape[-2] :] += ds.sum(dim=-1)
@@ -399,11 +399,6 @@ def _route_diag(ds, arg, kind, buf_w=None):
 # ----------------------------------------------------------------------------------------------------
 # Public building blocks (any leading dims; flattened to 3-D for the cores)
 # ----------------------------------------------------------------------------------------------------
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -440,17 +435,17 @@ def merge_lse(
 
 
 def _need_field(kind, **named):
-    if kind == "softmax":
+    if not kind.has_field:
         return
     for name, t in named.items():
         if t is None:
-            raise ValueError(f"kind {kind!r} needs {name}")
+            raise ValueError(f"kind {kind.name!r} needs {name}")
 
 
-def cross_field(kind, phi_q, phi_k, m_between):
+def cross_field(kind: str | AttentionKind, phi_q, phi_k, m_between):
     """fpa's field terms of a cross tile, flattened to (N, L): (row = min(P, M), S, argS, P, argP, M (N,)).
     Shared with the Triton blocks, which feed row and S to their kernels."""
-    if kind != "fpa":
+    if not resolve_kind(kind).range_min:
         return (None,) * 6
     if m_between is None:
         raise ValueError("kind 'fpa' needs m_between (+inf for adjacent chunks)")
@@ -469,11 +464,11 @@ def fpa_cross_forward(
     phi_k: torch.Tensor | None,
     m_between: torch.Tensor | None,
     *,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a query chunk against a strictly earlier key chunk; see the module docstring."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     lead = q.shape[:-2]
     qs = _flat(_f32(q), 2) * _scale(q, scale)
@@ -490,11 +485,11 @@ def fpa_diag_forward(
     v: torch.Tensor,
     phi: torch.Tensor | None,
     *,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a chunk against itself, causal; q are the last Lq of the Lk positions."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi=phi)
     lead = q.shape[:-2]
     lq, lk = q.shape[-2], k.shape[-2]
@@ -538,11 +533,11 @@ def fpa_cross_backward(
     *,
     out: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> CrossGrads:
     """Gradients of a cross tile given the full-row lse and out (or delta); see the module docstring."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     sc = _scale(q, scale)
     qs, kf, vf, do, va, doa, lse_f, (dq, dk, dv) = _bwd_operands(dout, q, k, v, lse, out, delta, sc)
@@ -550,9 +545,9 @@ def fpa_cross_backward(
     qa = _augment_q(qs, kind, _flat(phi_q, 1), lse_f)
     ka = _augment_k(kf, kind, _flat(phi_k, 1))
     ds = _bwd_tile(_cross_scores(qa, ka, row, s_min), qs, kf, vf, va, do, doa, dq, dk, dv)
-    if kind == "fpa":
+    if kind.range_min:
         dphi_q, dphi_k, dm = _route_cross(ds, row, s_min, arg_s, p_min, arg_p, m)
-    elif kind == "fox":
+    elif kind.query_term:
         dphi_q, dphi_k, dm = ds.sum(dim=-1), ds.sum(dim=-2).neg_(), qs.new_zeros(qs.shape[0])
     else:
         dphi_q, dphi_k, dm = (
@@ -581,11 +576,11 @@ def fpa_diag_backward(
     *,
     out: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> DiagGrads:
     """Gradients of a causal diagonal tile given the full-row lse and out (or delta)."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi=phi)
     sc = _scale(q, scale)
     lq, lk = q.shape[-2], k.shape[-2]
@@ -596,7 +591,7 @@ def fpa_diag_backward(
     masks = _causal_masks(lq, lk, qs)
     p, arg = _diag_scores(qa, ka, pf, kind, masks, with_arg=True)
     ds = _bwd_tile(p, qs, kf, vf, va, do, doa, dq, dk, dv, keep=masks[2])
-    dphi = kf.new_zeros(kf.shape[:-1]) if kind == "softmax" else _route_diag(ds, arg, kind)
+    dphi = _route_diag(ds, arg, kind) if kind.has_field else kf.new_zeros(kf.shape[:-1])
     return DiagGrads(
         dq.mul_(sc).reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dphi.reshape(k.shape[:-1])
     )
@@ -713,11 +708,11 @@ class _Blocks:
             self.doa = _augment_tail(self.do, neg_delta)
 
     def set_ref(self, ref: torch.Tensor) -> None:
-        base = self.phi_q if self.kind == "fox" else 0.0
+        base = self.phi_q if self.kind.query_term else 0.0
         self.qa[..., -1] = base - ref
 
 
-def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
+def _forward(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan):
     """Block-major (out (nq, BH, bs, Dv), lse (nq, BH, bs)) in float32."""
     x = _Blocks(q, k, v, phi, kind, scale, plan)
     masks = _causal_masks(plan.bs, plan.bs, x.qs)
@@ -733,7 +728,7 @@ def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
         lse[qi] = l.view_as(lse[qi])
     if plan.n_blk == 1:
         return out, lse
-    field = _Field(x.phi, plan) if kind == "fpa" else None
+    field = _Field(x.phi, plan) if kind.range_min else None
     # Fast path: every cross tile's logits are taken relative to the diagonal's lse (a lower bound of
     # the row's final lse, so nothing that matters underflows) and summed without per-tile rescaling.
     # Should a cross logit exceed it by ~88 (float32 exp overflow) the sums turn inf, and the call is
@@ -756,10 +751,10 @@ def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
     return _forward_exact(x, out, lse, kind, plan, buf)
 
 
-def _forward_exact(x: _Blocks, out, lse, kind: str, plan: _Plan, buf):
+def _forward_exact(x: _Blocks, out, lse, kind: AttentionKind, plan: _Plan, buf):
     """Cross tiles with exact per-tile max-shifts, merged by log-sum-exp (fallback for huge logits)."""
     x.set_ref(torch.zeros_like(lse))
-    field = _Field(x.phi, plan) if kind == "fpa" else None
+    field = _Field(x.phi, plan) if kind.range_min else None
     for d in range(1, plan.n_blk):
         if field is not None:
             field.advance(d, plan)
@@ -776,14 +771,14 @@ def _forward_exact(x: _Blocks, out, lse, kind: str, plan: _Plan, buf):
     return out, lse
 
 
-def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan):
+def _backward(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale: float, plan: _Plan):
     b, h = q.shape[:2]
     x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
     x.set_ref(lse)
     masks = _causal_masks(plan.bs, plan.bs, x.qs)
     buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
     dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
-    dphi = None if kind == "softmax" else torch.zeros_like(x.phi)
+    dphi = torch.zeros_like(x.phi) if kind.has_field else None
     for qi, ki in plan.groups(0):
         n = (qi.stop - qi.start) * plan.bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
@@ -794,7 +789,7 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
         )  # fmt: skip
         if dphi is not None:
             _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
-    field = _Field(x.phi, plan) if kind == "fpa" else None
+    field = _Field(x.phi, plan) if kind.range_min else None
     dphi_m = (
         torch.zeros(plan.bh, plan.n_blk * plan.bs, dtype=x.qs.dtype, device=x.qs.device)
         if field is not None
@@ -813,10 +808,10 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
                 p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
                 _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n],
             )  # fmt: skip
-            if kind == "fox":
+            if kind.query_term:
                 _f(dphi[plan.qb0 :][qi]).add_(ds.sum(dim=-1))
                 _f(dphi[ki]).sub_(ds.sum(dim=-2))
-            elif kind == "fpa":
+            elif kind.range_min:
                 dphi_q, dphi_k, dm = _route_cross(
                     ds, row, s_min, _f(field.arg_s[ki]), _f(field.p_min[qi]), _f(field.arg_p[qi]),
                     _f(field.m_run[qi]), buf_w[:n],
@@ -858,8 +853,7 @@ class _ChunkedFPAFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dphi_out, None, None, None
 
 
-def _validate(q, k, v, phi, kind, block_size):
-    _check_kind(kind)
+def _validate(q, k, v, phi, kind: AttentionKind, block_size):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -875,8 +869,8 @@ def _validate(q, k, v, phi, kind, block_size):
         )
     if q.shape[-2] == 0:
         raise ValueError("empty query sequence")
-    if phi is None and kind != "softmax":
-        raise ValueError(f"kind {kind!r} needs a field phi")
+    if phi is None and kind.has_field:
+        raise ValueError(f"kind {kind.name!r} needs a field phi")
     if phi is not None and phi.shape != k.shape[:3]:
         raise ValueError(f"phi must be (B, H, Tk) = {tuple(k.shape[:3])}; got {tuple(phi.shape)}")
     if not all(t.is_floating_point() for t in (q, k, v)):
@@ -891,11 +885,12 @@ def chunked_fpa_attention(
     v: torch.Tensor,
     phi: torch.Tensor | None = None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     scale: float | None = None,
     block_size: int = 64,
 ) -> torch.Tensor:
     """Causal FPA/FoX/softmax attention with O(T) memory; same contract as fpa_attention_naive."""
+    kind = resolve_kind(kind)
     _validate(q, k, v, phi, kind, block_size)
     return _ChunkedFPAFunction.apply(q, k, v, phi, kind, _scale(q, scale), block_size)
 

@@ -15,13 +15,15 @@ import math
 
 import torch
 
-from fpa_model.config import ATTENTION_KINDS as KINDS
+from fpa_model.config import ATTENTION_KINDS as KINDS  # noqa: F401  (re-exported: the kernels import it)
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 
 
-def fpa_bias_naive(phi: torch.Tensor, kind: str = "fpa", tq: int | None = None) -> torch.Tensor:
+def fpa_bias_naive(
+    phi: torch.Tensor, kind: str | AttentionKind = "fpa", tq: int | None = None
+) -> torch.Tensor:
     """The (B, H, Tq, Tk) additive bias b_ij, with -inf above the causal diagonal."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
+    spec = resolve_kind(kind)
     tk = phi.shape[-1]
     tq = tk if tq is None else tq
     offset = tk - tq
@@ -29,9 +31,9 @@ def fpa_bias_naive(phi: torch.Tensor, kind: str = "fpa", tq: int | None = None) 
     qpos = torch.arange(tq, device=phi.device) + offset
     kpos = torch.arange(tk, device=phi.device)
     causal = kpos[None, :] <= qpos[:, None]  # (Tq, Tk)
-    if kind == "softmax":
+    if not spec.has_field:
         bias = torch.zeros(*phi.shape[:-1], tq, tk, device=phi.device)
-    elif kind == "fox":
+    elif spec.query_term:
         bias = phi[..., offset:, None] - phi[..., None, :]
     else:
         # range_min[i, j] = min_{j <= t <= i} phi_t. Built as a reverse running min over j for each i:
@@ -54,17 +56,18 @@ def fpa_attention_naive(
     v: torch.Tensor,
     phi: torch.Tensor | None = None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     scale: float | None = None,
 ) -> torch.Tensor:
     """softmax_j(scale * q_i . k_j + b_ij) . v, computed in fp32, returned in q's dtype."""
+    spec = resolve_kind(kind)
     tq, d = q.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if phi is None:
-        if kind != "softmax":
-            raise ValueError(f"kind {kind!r} needs a field phi")
+        if spec.has_field:
+            raise ValueError(f"kind {spec.name!r} needs a field phi")
         phi = q.new_zeros(*k.shape[:-1])
     logits = scale * torch.einsum("bhid,bhjd->bhij", q.float(), k.float())
-    logits = logits + fpa_bias_naive(phi, kind, tq)
+    logits = logits + fpa_bias_naive(phi, spec, tq)
     p = torch.softmax(logits, dim=-1)
     return torch.einsum("bhij,bhjd->bhid", p, v.float()).to(q.dtype)
