@@ -7,6 +7,9 @@ Kinds (docs/design.md, "The first-passage bias"):
 - "fpa":     b_ij = min_{j <= t <= i} phi_t - phi_j          (range-min, "first passage")
 - "fox":     b_ij = phi_i - phi_j                           (Forgetting Transformer; phi = cumsum log f)
 - "softmax": b_ij = 0
+
+Documents (`segment_ids`, (B, Tk) non-decreasing ids): key j is visible to query i only when both lie in
+the same document; other pairs get -inf like the future.
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ import torch
 
 from fpa_model.config import ATTENTION_KINDS as KINDS  # noqa: F401  (re-exported: the kernels import it)
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
+from fpa_model.ops.fpa.segments import check_segment_ids
 
 
 def fpa_bias_naive(
-    phi: torch.Tensor, kind: str | AttentionKind = "fpa", tq: int | None = None
+    phi: torch.Tensor,
+    kind: str | AttentionKind = "fpa",
+    tq: int | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The (B, H, Tq, Tk) additive bias b_ij, with -inf above the causal diagonal."""
+    """The (B, H, Tq, Tk) additive bias b_ij, with -inf above the causal diagonal and, with segment_ids
+    (B, Tk), wherever query and key lie in different documents."""
     spec = resolve_kind(kind)
     tk = phi.shape[-1]
     tq = tk if tq is None else tq
@@ -47,7 +55,13 @@ def fpa_bias_naive(
             rows.append(torch.cat([suffix_min, pad], dim=-1))
         range_min = torch.stack(rows, dim=-2)
         bias = range_min - phi[..., None, :]
-    return bias.masked_fill(~causal, float("-inf"))
+    visible = causal
+    if segment_ids is not None:
+        seg = check_segment_ids(segment_ids, phi.unsqueeze(-1))
+        # Ids are non-decreasing, so seg_i == seg_j puts all of [j, i] inside one document: the range
+        # minimum above is then the document's own, the bias the one it has when the document stands alone.
+        visible = causal & (seg[:, None, offset:, None] == seg[:, None, None, :])  # (B, 1, Tq, Tk)
+    return bias.masked_fill(~visible, float("-inf"))
 
 
 def fpa_attention_naive(
@@ -58,8 +72,10 @@ def fpa_attention_naive(
     *,
     kind: str | AttentionKind = "fpa",
     scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax_j(scale * q_i . k_j + b_ij) . v, computed in fp32, returned in q's dtype."""
+    """softmax_j(scale * q_i . k_j + b_ij) . v, computed in fp32, returned in q's dtype; segment_ids (B, Tk):
+    attend only inside each query's document."""
     spec = resolve_kind(kind)
     tq, d = q.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -68,6 +84,6 @@ def fpa_attention_naive(
             raise ValueError(f"kind {spec.name!r} needs a field phi")
         phi = q.new_zeros(*k.shape[:-1])
     logits = scale * torch.einsum("bhid,bhjd->bhij", q.float(), k.float())
-    logits = logits + fpa_bias_naive(phi, spec, tq)
+    logits = logits + fpa_bias_naive(phi, spec, tq, segment_ids)
     p = torch.softmax(logits, dim=-1)
     return torch.einsum("bhij,bhjd->bhid", p, v.float()).to(q.dtype)
