@@ -18,6 +18,7 @@ from fpa_model.config import ATTENTION_IMPLS as IMPLS
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import KINDS, fpa_attention_naive, fpa_bias_naive
+from fpa_model.ops.fpa.segments import check_segment_ids
 
 
 def _load_triton():
@@ -68,8 +69,12 @@ def fpa_attention(
     scale: float | None = None,
     impl: str = "auto",
     block_size: int = 64,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (B,H,Tq,D) over k, v (B,H,Tk,D) with the field phi (B,H,Tk).
+
+    segment_ids (B, Tk), non-decreasing integer ids (the document of each position in a packed window):
+    a query attends only to keys of its own document. None: the whole window is one sequence.
 
     Queries are the last Tq key positions. `block_size` is the tile size of the chunked path (the Triton
     kernel picks its own tiles); on CPU, 128-256 runs about 10-15% faster than 64 at T >= 2048.
@@ -80,9 +85,11 @@ def fpa_attention(
     if impl == "auto":
         impl = _auto_impl(q, k, v)
     if impl == "naive":
-        return fpa_attention_naive(q, k, v, phi, kind=spec, scale=scale)
+        return fpa_attention_naive(q, k, v, phi, kind=spec, scale=scale, segment_ids=segment_ids)
     if impl == "chunked":
-        return chunked_fpa_attention(q, k, v, phi, kind=spec, scale=scale, block_size=block_size)
+        return chunked_fpa_attention(
+            q, k, v, phi, kind=spec, scale=scale, block_size=block_size, segment_ids=segment_ids
+        )
     try:
         fn = _load_triton()
     except Exception as e:
@@ -94,7 +101,9 @@ def fpa_attention(
         if spec.has_field:
             raise ValueError(f"kind {spec.name!r} needs a field phi")
         phi = q.new_zeros(k.shape[:-1])
-    return fn(q, k, v, phi, kind=spec.name, scale=scale)  # the kernel module takes the kind's name
+    # The kernel module takes the kind's name; segment_ids only when given, so other calls stay as they were.
+    extra = {} if segment_ids is None else {"segment_ids": check_segment_ids(segment_ids, k)}
+    return fn(q, k, v, phi, kind=spec.name, scale=scale, **extra)
 
 
 __all__ = [
