@@ -32,6 +32,7 @@ from fpa_model.config import AttentionConfig
 from fpa_model.context_parallel import SequenceParallel, chunk_predecessors, sequence_parallel_attention
 from fpa_model.ops.fpa import fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
+from fpa_model.ops.fpa.segments import document_positions
 
 
 class RMSNorm(nn.Module):
@@ -249,14 +250,20 @@ class Attention(nn.Module):
         return gk * k + (1 - gk) * k_prev, gv * v + (1 - gv) * v_prev
 
     def _finish_projection(
-        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_offset: int
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_offset: int, positions: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """qk-norm, RoPE from pos_offset and the field increments u of x (see project)."""
+        """qk-norm, RoPE from pos_offset (or at the given (B, T) positions) and the field increments u of x
+        (see project)."""
         t = x.shape[1]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            cos, sin = self._rope_tables(pos_offset, t, x.device)
+            if positions is None:
+                cos, sin = self._rope_tables(pos_offset, t, x.device)
+            else:  # per row (documents restart at 0): (B, 1, T, Dh/2) tables broadcast over the heads
+                top = int(positions.max()) + 1
+                cos, sin = self._rope_tables(0, top, x.device)
+                cos, sin = cos[positions][:, None], sin[positions][:, None]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         length = self.cfg.log_scale_length
         if length is not None and pos_offset + t > length:  # inside the training length: untouched
@@ -294,21 +301,39 @@ class Attention(nn.Module):
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.out_proj(y)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None, segment_ids: Tensor | None = None
+    ) -> Tensor:
         """The attention op with this layer's kind / impl / block size (q may be shorter than k)."""
-        return fpa_attention(q, k, v, phi, kind=self.spec, impl=self.cfg.impl, block_size=self.cfg.block_size)
+        return fpa_attention(
+            q, k, v, phi, kind=self.spec, impl=self.cfg.impl, block_size=self.cfg.block_size,
+            segment_ids=segment_ids,
+        )  # fmt: skip
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, segment_ids: Tensor | None = None) -> Tensor:
         """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model).
 
+        segment_ids (B, T): the document of each position (model.attention.document_mask): each query
+        attends only inside its document and RoPE positions restart at each document start.
         Under sequence parallelism x (B, T/W, d_model) is this rank's part of the sequence and so is the
         result; the attention op then runs across the group.
         """
         if self.sequence_parallel is not None:
+            if segment_ids is not None:
+                raise ValueError(
+                    "model.attention.document_mask=true is not served by the sequence-parallel path "
+                    f"({self.sequence_parallel.mode}) yet; train it without sequence parallelism"
+                )
             return self._forward_sequence_parallel(x, self.sequence_parallel)
-        q, k, v, u = self.project(x)
+        if segment_ids is None:
+            q, k, v, u = self.project(x)
+        else:
+            if self.shift_proj is not None:
+                raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
+            q, k, v = self.raw_qkv(x)
+            q, k, v, u = self._finish_projection(x, q, k, v, 0, document_positions(segment_ids))
         phi = self.field_from_increments(u)
-        return self.output(self.attend(q, k, v, phi), x)
+        return self.output(self.attend(q, k, v, phi, segment_ids), x)
 
     def _forward_sequence_parallel(self, x: Tensor, sp: SequenceParallel) -> Tensor:
         # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute

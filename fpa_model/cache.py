@@ -305,6 +305,11 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: EvictionPolicy | None = None) -> KVCache:
         policy = policy or EvictionPolicy()
+        if getattr(getattr(getattr(model, "cfg", None), "attention", None), "document_mask", False):
+            raise ValueError(
+                "model.attention.document_mask=true is not served by the KV-cache decoder (decode, generate, "
+                "passkey and evicting perplexity evals) yet"
+            )
         layers = []
         for block in model.blocks:
             attn = block.attn

@@ -181,6 +181,11 @@ def hf_model(model: GPT, *, eos_id: int | None = None, cache: Any = None) -> Any
     eviction settings of generate(); eviction itself stays off (config.evict) so that generate() reproduces
     the full forward pass unless asked.
     """
+    if model.cfg.attention.document_mask:
+        raise ValueError(
+            "model.attention.document_mask=true is not served by the HF export (packed inputs through "
+            "position_ids resets) yet"
+        )
     from pipeline.hf.configuration_fpa import FPAConfig
     from pipeline.hf.modeling_fpa import FPAForCausalLM, model_config_dict
 

@@ -16,6 +16,7 @@ import torch
 from pipeline import distributed as dist_utils
 from pipeline.batches import Batch, MicroBatch, batch_to_xy
 from pipeline.checkpointer import TrainState
+from pipeline.config import RunConfig
 from pipeline.guards import StepPolicy, drop_step
 from pipeline.loss import IGNORE_INDEX, lm_loss
 from pipeline.preemption import StopFlag
@@ -43,6 +44,7 @@ class StepSetup:
     precision: str
     passkey_weight: float
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: the plain loss over all logits)
+    eod_id: int | None = None  # model.attention.document_mask: segment ids from this token (document_eod)
 
     @property
     def manual_norm(self) -> bool:
@@ -66,6 +68,7 @@ def micro_loss(
     sp: SeqParallel | None,
     chunk_tokens: int = 0,
     targeted_only: bool = False,
+    eod_id: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token loss of one micro batch and the number of tokens it covers.
 
@@ -73,6 +76,8 @@ def micro_loss(
     of the group); grad_scale=degree undoes DeepSpeed averaging gradients over the dp x sp ranks.
     targeted_only: the LM head runs only where a target is not ignored (passkey rows: a few answer tokens
     per prompt), the same loss without vocab-wide logits for every prompt token.
+    eod_id: the end-of-document token of a model with model.attention.document_mask; the model is then
+    given each window's segment ids (data_prep.loader.document_segments).
     """
     if sp is None:
         x, y = batch_to_xy(batch, device)
@@ -86,15 +91,29 @@ def micro_loss(
         x, y = x.to(device), y.to(device)
     group, scale, n = (None, 1.0, y.numel()) if sp is None else (sp.group, sp.degree, y.numel() * sp.degree)
     keep = (y != IGNORE_INDEX) if targeted_only else None
+    docs = {}
+    if eod_id is not None:
+        from data_prep.loader import document_segments
+
+        docs = {"segment_ids": document_segments(x, eod_id)}
     if keep is not None:
         y = y[keep][None]  # (1, N): the model returns the kept positions only, in the same order
     if chunk_tokens:  # the loss applies the LM head itself, chunk by chunk
-        hidden = engine(x, head=False, keep=keep)
+        hidden = engine(x, head=False, keep=keep, **docs)
         hidden = hidden[None] if keep is not None else hidden
         head = engine.module.lm_head.weight
         return lm_loss(hidden, y, head=head, chunk_tokens=chunk_tokens, group=group, grad_scale=scale), n
-    logits = engine(x, keep=keep)
+    logits = engine(x, keep=keep, **docs)
     return lm_loss(logits[None] if keep is not None else logits, y, group=group, grad_scale=scale), n
+
+
+def document_eod(cfg: RunConfig) -> int | None:
+    """The end-of-document id segment ids are derived from under model.attention.document_mask, else None."""
+    if not cfg.model.attention.document_mask:
+        return None
+    from data_prep.index import load_index
+
+    return int(load_index(cfg.data_dir).eod_id)
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -122,12 +141,20 @@ def train_step(
     bad, spike_loss, lm_sum, pk_sum, stop_req, wait, in_phase = False, None, 0.0, 0.0, 0.0, 0.0, False
     for i, micro in enumerate(micro_batches):
         wait += micro.wait
-        loss, _ = micro_loss(engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens)
+        loss, _ = micro_loss(
+            engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens, eod_id=setup.eod_id
+        )
         lm_value, pk_value = loss.item(), 0.0
         if micro.passkey is not None:  # the passkey phase adds answer-only rows
             in_phase = True
             pk_loss, _ = micro_loss(
-                engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
+                engine,
+                micro.passkey,
+                setup.device,
+                setup.sp,
+                setup.loss_chunk_tokens,
+                targeted_only=True,
+                eod_id=setup.eod_id,
             )
             pk_value = pk_loss.item()
             loss = loss + setup.passkey_weight * pk_loss
