@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpa_model.config import AttentionConfig
-from fpa_model.context_parallel import SequenceParallel, chunk_predecessors, sequence_parallel_attention
+from fpa_model.context_parallel import (
+    SequenceParallel,
+    chunk_predecessors,
+    sequence_parallel_attention,
+    shard_sequence,
+    sp_rank_world,
+)
 from fpa_model.ops.fpa import fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.segments import document_positions
@@ -266,7 +272,13 @@ class Attention(nn.Module):
                 cos, sin = cos[positions][:, None], sin[positions][:, None]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         length = self.cfg.log_scale_length
-        if length is not None and pos_offset + t > length:  # inside the training length: untouched
+        if length is not None and positions is not None:
+            # Documents: a query sees the keys of its own document only, so the factor follows its position
+            # inside the document (the same on one rank, under sequence parallelism and in the cache).
+            if int(positions.max()) + 1 > length:
+                f = (torch.log1p(positions.double()) / math.log(length)).clamp(min=1.0).float()
+                q = q * f[:, None, :, None].to(q.dtype)
+        elif length is not None and pos_offset + t > length:  # inside the training length: untouched
             q = q * log_length_factor(pos_offset, t, length, q.device).to(q.dtype)[:, None]
         u = None
         if self.field_proj is not None:
@@ -316,15 +328,11 @@ class Attention(nn.Module):
         segment_ids (B, T): the document of each position (model.attention.document_mask): each query
         attends only inside its document and RoPE positions restart at each document start.
         Under sequence parallelism x (B, T/W, d_model) is this rank's part of the sequence and so is the
-        result; the attention op then runs across the group.
+        result; the attention op then runs across the group, and segment_ids are the whole sequence's
+        (B, T), the same on every rank.
         """
         if self.sequence_parallel is not None:
-            if segment_ids is not None:
-                raise ValueError(
-                    "model.attention.document_mask=true is not served by the sequence-parallel path "
-                    f"({self.sequence_parallel.mode}) yet; train it without sequence parallelism"
-                )
-            return self._forward_sequence_parallel(x, self.sequence_parallel)
+            return self._forward_sequence_parallel(x, self.sequence_parallel, segment_ids)
         if segment_ids is None:
             q, k, v, u = self.project(x)
         else:
@@ -335,7 +343,9 @@ class Attention(nn.Module):
         phi = self.field_from_increments(u)
         return self.output(self.attend(q, k, v, phi, segment_ids), x)
 
-    def _forward_sequence_parallel(self, x: Tensor, sp: SequenceParallel) -> Tensor:
+    def _forward_sequence_parallel(
+        self, x: Tensor, sp: SequenceParallel, segment_ids: Tensor | None = None
+    ) -> Tensor:
         # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute
         # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks. The
         # kv shift needs, for each chunk's first token, the raw k, v of the token before it, which another
@@ -347,6 +357,23 @@ class Attention(nn.Module):
             )
         c = x.shape[1] // len(ids)
         q, k, v = self.raw_qkv(x)
+        if segment_ids is not None:  # RoPE at the document positions of this rank's tokens
+            if self.shift_proj is not None:
+                raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
+            rank, world = sp_rank_world(sp)
+            want = (x.shape[0], x.shape[1] * world)
+            if tuple(segment_ids.shape) != want:
+                raise ValueError(
+                    f"sequence-parallel segment_ids must be the whole sequence's (B, T) = {want}, the same "
+                    f"on every rank; got {tuple(segment_ids.shape)}"
+                )
+            pos = shard_sequence(document_positions(segment_ids), rank, world, dim=1, layout=sp.layout)
+            q, k, v, u = self._finish_projection(x, q, k, v, 0, pos)
+            o = sequence_parallel_attention(
+                q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk",
+                block_size=self.cfg.block_size, impl=self.cfg.impl, segment_ids=segment_ids,
+            )  # fmt: skip
+            return self.output(o, x)
         if self.shift_proj is not None:
             tails = torch.stack(
                 [torch.cat([k[:, :, e - 1], v[:, :, e - 1]], -1) for e in range(c, k.shape[2] + 1, c)]

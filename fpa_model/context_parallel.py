@@ -602,6 +602,7 @@ def context_parallel_attention(
     block_size: int = 64,
     layout: str = "zigzag",
     impl: str = "auto",
+    segment_ids: Tensor | None = None,
 ) -> Tensor:
     """Causal FPA / FoX / softmax attention of a sequence split over the ranks of `group`.
 
@@ -618,9 +619,15 @@ def context_parallel_attention(
     otherwise; "chunked" (or "naive") / "triton" force one ("triton" on CPU only under TRITON_INTERPRET=1,
     else a RuntimeError). T must be divisible by 2W (zigzag) or W (contiguous); every rank must pass the
     same shapes (and impl).
+    segment_ids (B, T), the whole sequence's document ids (the same on every rank, data_prep.loader.
+    document_segments of the full windows): pairs in different documents are masked. The keys are then
+    all-gathered (_gathered_documents) instead of passed round the ring.
     """
     kind = resolve_kind(kind)
     u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)
+    if segment_ids is not None:
+        return _gathered_documents(q, k, v, u_or_phi, kind, field, group, scale, block_size, layout, impl,
+                                   segment_ids)  # fmt: skip
     _, world = _group_info(group)
     n_local = num_chunks(world, layout) // world
     if q.shape[-2] % n_local:
@@ -636,6 +643,76 @@ def context_parallel_attention(
     return _ContextParallelAttention.apply(
         q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl
     )
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(B, H, T/W, ...) sequence shards -> the full (B, H, T, ...) on every rank; the gradient of each
+    rank's shard is the sum over the ranks of their gradients at its positions."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, world: int, layout: str, rank: int) -> Tensor:
+        ctx.args = (group, world, layout, rank)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return unshard_sequence(parts, dim=2, layout=layout)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
+        group, world, layout, rank = ctx.args
+        g = g.contiguous()
+        dist.all_reduce(g, group=group)
+        return shard_sequence(g, rank, world, dim=2, layout=layout), None, None, None, None
+
+
+def _gathered_documents(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u_or_phi: Tensor | None,
+    kind: AttentionKind,
+    field: str,
+    group: Any,
+    scale: float | None,
+    block_size: int,
+    layout: str,
+    impl: str,
+    segment_ids: Tensor,
+) -> Tensor:
+    """The ring's contract with documents: every rank gathers the whole sequence's k, v and field
+    increments (differentiably) and runs fpa_attention (its document tile skipping and masks) for each
+    of its query chunks against the keys up to that chunk's end, with the segment ids of those keys.
+    Pairs in different documents are masked and the FPA minimum of a visible pair runs inside its own
+    document, so this equals the single-process masked attention. Memory: O(T) keys per rank."""
+    rank, world = _group_info(group)
+    b, t = q.shape[0], q.shape[-2] * world
+    if tuple(segment_ids.shape) != (b, t):
+        raise ValueError(
+            f"sequence-parallel segment_ids must be the whole sequence's (B, T) = {(b, t)} (the same on "
+            f"every rank); got {tuple(segment_ids.shape)}"
+        )
+    parts = [k, v] + ([u_or_phi[..., None]] if u_or_phi is not None else [])
+    if world > 1:
+        full = [_GatherSequence.apply(p, group, world, layout, rank) for p in parts]
+    else:
+        full = [unshard_sequence([p], dim=2, layout=layout) for p in parts]
+    phi = None
+    if u_or_phi is not None:
+        u = full[2][..., 0].float()
+        phi = u.cumsum(-1) if field in ("walk", "gate") else u
+    impl = "chunked" if impl in ("naive", "chunked") or not q.is_cuda else impl
+    ids = chunk_ids(rank, world, layout)
+    c = q.shape[-2] // len(ids)
+    outs = []
+    for i, a in enumerate(ids):
+        end = (a + 1) * c
+        outs.append(
+            fpa_attention(
+                q[..., i * c : (i + 1) * c, :], full[0][..., :end, :], full[1][..., :end, :],
+                None if phi is None else phi[..., :end], kind=kind, scale=scale, impl=impl,
+                block_size=block_size, segment_ids=segment_ids[:, :end],
+            )
+        )  # fmt: skip
+    return torch.cat(outs, dim=-2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -694,6 +771,7 @@ def ulysses_attention(
     block_size: int = 64,
     layout: str = "zigzag",
     impl: str = "auto",
+    segment_ids: Tensor | None = None,
 ) -> Tensor:
     """Same contract as context_parallel_attention, by all-to-all over heads (DeepSpeed-Ulysses).
 
@@ -722,8 +800,9 @@ def ulysses_attention(
         u = full[3][..., 0].float()
         phi = u.cumsum(-1) if field in ("walk", "gate") else u
     o = fpa_attention(
-        full[0], full[1], full[2], phi, kind=kind, scale=scale, impl=impl, block_size=block_size
-    )
+        full[0], full[1], full[2], phi, kind=kind, scale=scale, impl=impl, block_size=block_size,
+        segment_ids=segment_ids,
+    )  # fmt: skip
     if world == 1:
         return shard_sequence(o, 0, 1, dim=2, layout=layout)
     return _HeadsToSeq.apply(o, group, world, layout)
@@ -775,6 +854,11 @@ class _GatherChunks(torch.autograd.Function):
         return g[list(ids)], None, None, None, None
 
 
+def sp_rank_world(sp: SequenceParallel) -> tuple[int, int]:
+    """(rank, world) of this process in sp's group."""
+    return _group_info(sp.group)
+
+
 def chunk_predecessors(tails: Tensor, sp: SequenceParallel) -> Tensor:
     """For each of this rank's chunks, the value at the token just before the chunk's first token.
 
@@ -806,10 +890,12 @@ def sequence_parallel_attention(
     field: str = "walk",
     block_size: int = 64,
     impl: str = "auto",
+    segment_ids: Tensor | None = None,
 ) -> Tensor:
-    """context_parallel_attention or ulysses_attention over sp's group and layout, as sp.mode says."""
+    """context_parallel_attention or ulysses_attention over sp's group and layout, as sp.mode says.
+    segment_ids: the whole sequence's (B, T) document ids, the same on every rank."""
     attend = ulysses_attention if sp.mode == "ulysses" else context_parallel_attention
     return attend(
         q, k, v, u_or_phi, kind=kind, field=field, group=sp.group, layout=sp.layout, block_size=block_size,
-        impl=impl,
+        impl=impl, segment_ids=segment_ids,
     )  # fmt: skip

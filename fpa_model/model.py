@@ -96,7 +96,8 @@ class GPT(nn.Module):
 
         segment_ids (B, T): the document of each position of packed windows
         (data_prep.loader.document_segments); required with model.attention.document_mask and taken only
-        then, so the documents of a window attend as if each stood alone.
+        then, so the documents of a window attend as if each stood alone. Under sequence parallelism idx is
+        this rank's part and segment_ids the whole sequence's (B, T), the same on every rank.
         """
         if self.cfg.attention.document_mask != (segment_ids is not None):
             raise ValueError(
@@ -121,11 +122,6 @@ class GPT(nn.Module):
         forward then takes this rank's part of the sequence (fpa_model.context_parallel.shard_batch) and
         returns this rank's logits; the trainer makes the groups (pipeline.sequence_parallel).
         """
-        if sp is not None and self.cfg.attention.document_mask:
-            raise ValueError(
-                f"model.attention.document_mask=true is not served by the sequence-parallel path ({sp.mode}, "
-                f"{sp.layout}) yet; set parallel.sequence to 1"
-            )
         for block in self.blocks:
             block.attn.sequence_parallel = sp
         return len(self.blocks)

@@ -79,6 +79,12 @@ def micro_loss(
     eod_id: the end-of-document token of a model with model.attention.document_mask; the model is then
     given each window's segment ids (data_prep.loader.document_segments).
     """
+    docs = {}
+    if eod_id is not None:  # from the whole windows (under sp every rank holds all of them)
+        from data_prep.loader import document_segments
+
+        full = batch[0] if isinstance(batch, tuple) else batch[:, :-1]
+        docs = {"segment_ids": document_segments(full.long(), eod_id).to(device)}
     if sp is None:
         x, y = batch_to_xy(batch, device)
     else:
@@ -91,11 +97,6 @@ def micro_loss(
         x, y = x.to(device), y.to(device)
     group, scale, n = (None, 1.0, y.numel()) if sp is None else (sp.group, sp.degree, y.numel() * sp.degree)
     keep = (y != IGNORE_INDEX) if targeted_only else None
-    docs = {}
-    if eod_id is not None:
-        from data_prep.loader import document_segments
-
-        docs = {"segment_ids": document_segments(x, eod_id)}
     if keep is not None:
         y = y[keep][None]  # (1, N): the model returns the kept positions only, in the same order
     if chunk_tokens:  # the loss applies the LM head itself, chunk by chunk

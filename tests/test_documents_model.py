@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from data_prep.loader import document_segments
 from fpa_model.cache import KVCache
 from fpa_model.config import AttentionConfig, ModelConfig
-from fpa_model.context_parallel import SequenceParallel
 from fpa_model.model import GPT
 from fpa_model.ops.fpa.segments import document_positions
 from pipeline.step import micro_loss
@@ -45,10 +44,12 @@ def _documents(lengths: list[int], seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["fpa", "fox", "softmax"])
 @pytest.mark.parametrize("impl", ["naive", "chunked"])
-def test_packed_window_loss_is_the_sum_of_its_documents_losses(kind, impl):
+@pytest.mark.parametrize("log_len", [None, 6])
+def test_packed_window_loss_is_the_sum_of_its_documents_losses(kind, impl, log_len):
     """A masked model's summed token loss on a packed window equals the sum of its documents' losses, each
-    document run alone (the logits too). softmax has RoPE, so the positions must restart as well."""
-    model = _model(kind, document_mask=True, impl=impl)
+    document run alone (the logits too). softmax has RoPE, so the positions must restart as well; so must
+    the log-n factor (log_len 6: documents longer than 6 tokens have queries it scales)."""
+    model = _model(kind, document_mask=True, impl=impl, log_scale_length=log_len)
     docs = _documents([7, 1, 12, 1, 9, 18, 1, 16], seed=3)  # 65 tokens: a window of 64 and its targets
     window = torch.cat(docs)[None]
     x, y = window[:, :-1], window[:, 1:]
@@ -65,7 +66,7 @@ def test_packed_window_loss_is_the_sum_of_its_documents_losses(kind, impl):
         start += n
     torch.testing.assert_close(loss_sum, want, atol=1e-4, rtol=1e-5)
     # Without the mask the same window is one sequence: the loss differs (the test can tell).
-    plain = _model(kind, impl=impl)
+    plain = _model(kind, impl=impl, log_scale_length=log_len)
     assert not torch.allclose(plain(x), packed, atol=1e-3)
 
 
@@ -108,10 +109,8 @@ def test_micro_loss_passes_segment_ids():
 
 def test_paths_without_the_mask_refuse_it():
     model = _model("fpa", document_mask=True)
-    with pytest.raises(ValueError, match="not served by the KV-cache decoder"):
+    with pytest.raises(ValueError, match="needs the end-of-document id"):
         KVCache.for_model(model)
-    with pytest.raises(ValueError, match="not served by the sequence-parallel path"):
-        model.set_sequence_parallel(SequenceParallel())
     with pytest.raises(ValueError, match="does not combine with kv_shift"):
         AttentionConfig(document_mask=True, kv_shift=True)
     with pytest.raises(ValueError, match="without model.attention.document_mask"):
