@@ -117,7 +117,7 @@ def test_paths_without_the_mask_refuse_it():
         _model("fpa")(torch.zeros(1, 4, dtype=torch.long), segment_ids=torch.zeros(1, 4, dtype=torch.long))
     from pipeline.export import hf_model
 
-    with pytest.raises(ValueError, match="not served by the HF export"):
+    with pytest.raises(ValueError, match="the HF export needs eos_id"):
         hf_model(model)
 
 
