@@ -143,6 +143,7 @@ def _evaluate(
             prefix_ids=[index.eod_id],  # documents in the training stream start right after an EOD
             logger=logger,
             device=device,
+            eod_id=index.eod_id,  # document_mask models: the prompt is one document after the prefix
         )
     # Every held-out split is read the same way; the evicting cache is measured on "validation" alone.
     ppl_args = {
@@ -153,6 +154,7 @@ def _evaluate(
         "sequences": cfg.eval.ppl_sequences,
         "out_dir": out_dir,
         "device": device,
+        "eod_id": index.eod_id,  # document_mask models: each window's segment ids
     }
     ppl = run_perplexity(
         model,

@@ -3,6 +3,10 @@ cache and with FPA/FoX eviction, scored by exact match of the generated integer.
 
 Outputs under the eval dir: passkey.json (the grid and every answer) and passkey.png (a heatmap per cache
 mode, accuracy in each cell, cache fraction kept in the titles).
+
+A model.attention.document_mask model decodes each prompt as one document: the prompt follows the
+end-of-document prefix and holds no other end-of-document token (checked), so the cache (eod_id) starts
+the document right after the prefix, as passkey documents start in the training stream.
 """
 
 from __future__ import annotations
@@ -54,14 +58,21 @@ def run_cell(
     chunk_size: int | None,
     prefix_ids: list[int],
     device: torch.device,
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
-    """One (length, depth, mode) cell: the prompts of all keys decoded as one batch."""
+    """One (length, depth, mode) cell: the prompts of all keys decoded as one batch. eod_id: the
+    end-of-document token, required by a model.attention.document_mask model."""
+    from pipeline.evaluation.perplexity import document_eod
+
+    eod = document_eod(model, eod_id, "passkey")
     budget = answer_budget(digits)
     prompts = [
         protocol.build_prompt(tokenizer, length - budget, depth, k, prefix_ids=prefix_ids) for k in keys
     ]
+    if eod is not None and any(eod in p.ids[len(prefix_ids) :] for p in prompts):
+        raise ValueError(f"a passkey prompt holds the end-of-document token {eod}: it must be one document")
     idx = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=device)
-    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size)
+    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size, eod_id=eod)
     answers = [protocol.decode(tokenizer, row) for row in new.tolist()]
     correct = [protocol.is_correct(a, k) for a, k in zip(answers, keys)]
     frac = cache.fraction_kept()
@@ -114,8 +125,10 @@ def run_passkey(
     prefix_ids: list[int] | None = None,
     logger: Any = None,
     device: torch.device | None = None,
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
-    """The whole grid, both cache modes (compressed only for fpa/fox with eviction enabled).
+    """The whole grid, both cache modes (compressed only for fpa/fox with eviction enabled). eod_id: the
+    end-of-document token, required by a model.attention.document_mask model (run_cell).
 
     Writes passkey.json and passkey.png into out_dir, logs a W&B table through `logger.log_table` when a
     logger is given, and returns the JSON content.
@@ -169,6 +182,7 @@ def run_passkey(
                     chunk_size=cache_cfg.prefill_chunk if mode == "compressed" else None,
                     prefix_ids=list(prefix_ids or []),
                     device=device,
+                    eod_id=eod_id,
                 )
                 cell["mode"] = mode
                 cells.append(cell)
