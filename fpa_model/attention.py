@@ -38,7 +38,7 @@ from fpa_model.context_parallel import (
 )
 from fpa_model.ops.fpa import fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
-from fpa_model.ops.fpa.segments import document_positions
+from fpa_model.ops.fpa.segments import check_segment_ids, document_positions
 
 
 class RMSNorm(nn.Module):
@@ -339,6 +339,7 @@ class Attention(nn.Module):
             if self.shift_proj is not None:
                 raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
             q, k, v = self.raw_qkv(x)
+            segment_ids = check_segment_ids(segment_ids, k)  # before the positions are read off them
             q, k, v, u = self._finish_projection(x, q, k, v, 0, document_positions(segment_ids))
         phi = self.field_from_increments(u)
         return self.output(self.attend(q, k, v, phi, segment_ids), x)
@@ -367,6 +368,7 @@ class Attention(nn.Module):
                     f"sequence-parallel segment_ids must be the whole sequence's (B, T) = {want}, the same "
                     f"on every rank; got {tuple(segment_ids.shape)}"
                 )
+            segment_ids = check_segment_ids(segment_ids, k, tk=want[1])
             pos = shard_sequence(document_positions(segment_ids), rank, world, dim=1, layout=sp.layout)
             q, k, v, u = self._finish_projection(x, q, k, v, 0, pos)
             o = sequence_parallel_attention(

@@ -113,6 +113,8 @@ def test_paths_without_the_mask_refuse_it():
         KVCache.for_model(model)
     with pytest.raises(ValueError, match="does not combine with kv_shift"):
         AttentionConfig(document_mask=True, kv_shift=True)
+    with pytest.raises(ValueError, match="not served by impl=triton"):
+        AttentionConfig(document_mask=True, impl="triton")
     with pytest.raises(ValueError, match="without model.attention.document_mask"):
         _model("fpa")(torch.zeros(1, 4, dtype=torch.long), segment_ids=torch.zeros(1, 4, dtype=torch.long))
     from pipeline.export import hf_model
@@ -161,3 +163,29 @@ logging: {{wandb_mode: disabled, progress: false}}
     assert len(losses) == 6 and losses[-1] < losses[0]
     client = torch.load(tmp_path / summary["checkpoint"] / "mp_rank_00_model_states.pt", weights_only=False)
     assert "document_mask: true" in client["config_yaml"]
+
+
+@pytest.mark.parametrize("kind", ["fpa", "softmax"])
+def test_bad_segment_ids_given_to_the_model_are_one_line_errors(kind):
+    """Checked before the RoPE positions are read off them (softmax has RoPE): a wrong shape, a decrease
+    inside a window, a float tensor; under sequence parallelism (one rank) ids that are not the whole
+    sequence's."""
+    from fpa_model.context_parallel import SequenceParallel
+
+    model = _model(kind, document_mask=True)
+    x = torch.randint(1, 31, (2, 12))
+    good = document_segments(x, EOD)
+    for seg, match in [
+        (good[:, :-1], "must be \\(B, Tk\\) = \\(2, 12\\)"),
+        (good[:1], "must be \\(B, Tk\\) = \\(2, 12\\)"),
+        (torch.tensor([[0] * 6 + [1] * 3 + [0] * 3] * 2), "non-decreasing"),
+        (good.float(), "integer tensor"),
+    ]:
+        with pytest.raises(ValueError, match=match) as e:
+            model(x, segment_ids=seg)
+        assert "\n" not in str(e.value)
+    model.set_sequence_parallel(SequenceParallel())
+    with pytest.raises(ValueError, match="whole sequence's \\(B, T\\) = \\(2, 12\\)"):
+        model(x, segment_ids=good[:, :6])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(x, segment_ids=torch.tensor([[0] * 6 + [1] * 3 + [0] * 3] * 2))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 
 
-def check_segment_ids(segment_ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """segment_ids as int64 after a one-line error for a wrong dtype, shape or order (k: (B, H, Tk, D))."""
+def check_segment_ids(segment_ids: torch.Tensor, k: torch.Tensor, tk: int | None = None) -> torch.Tensor:
+    """segment_ids as int64 after a one-line error for a wrong dtype, shape or order (k: (B, H, Tk, D);
+    tk: the length they must cover when it is not k's, e.g. the whole sequence under sequence parallelism)."""
     if not isinstance(segment_ids, torch.Tensor):
         raise ValueError(f"segment_ids must be a (B, Tk) integer tensor; got {type(segment_ids).__name__}")
     if segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool:
         raise ValueError(f"segment_ids must be an integer tensor; got dtype {segment_ids.dtype}")
-    want = (k.shape[0], k.shape[-2])
+    want = (k.shape[0], k.shape[-2] if tk is None else tk)
     if tuple(segment_ids.shape) != want:
         raise ValueError(f"segment_ids must be (B, Tk) = {want}; got {tuple(segment_ids.shape)}")
     if segment_ids.device != k.device:
