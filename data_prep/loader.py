@@ -487,3 +487,19 @@ def check_split(make_loader: Callable[[], Any], split: str, hint: str = "") -> N
                 loader.close()
     except DataError as e:
         raise DataError(f"{split} check before training: {e}{hint}") from None
+
+
+def document_segments(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """(B, T) int64 document index of every position of token windows (B, T), for
+    model.attention.document_mask.
+
+    The stream is documents each followed by an end-of-document token, cut into windows: an end-of-document
+    token ends, and belongs to, its document; the next document starts after it. A document cut by the
+    window start is segment 0 (its own, whatever came before the window). Non-decreasing along T.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(
+            f"document_segments expects (batch, T) token windows; got shape {tuple(tokens.shape)}"
+        )
+    ends = (tokens == eod_id).long()
+    return ends.cumsum(dim=1) - ends  # documents ended strictly before each position

@@ -74,6 +74,7 @@ def passkey_by_length(
                 chunk_size=cc.prefill_chunk if policy.enabled else None,
                 prefix_ids=[tr.index.eod_id],
                 device=torch.device("cpu"),
+                eod_id=tr.index.eod_id,  # document_mask models only
             )
             for d in tr.depths
         ]

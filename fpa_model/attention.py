@@ -29,8 +29,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpa_model.config import AttentionConfig
-from fpa_model.context_parallel import SequenceParallel, chunk_predecessors, sequence_parallel_attention
+from fpa_model.context_parallel import (
+    SequenceParallel,
+    chunk_predecessors,
+    sequence_parallel_attention,
+    shard_sequence,
+    sp_rank_world,
+)
 from fpa_model.ops.fpa import fpa_attention
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
+from fpa_model.ops.fpa.segments import check_segment_ids, document_positions
 
 
 class RMSNorm(nn.Module):
@@ -107,11 +115,9 @@ class Attention(nn.Module):
         self.n_head = n_head
         self.head_dim = d_model // n_head
         self.cfg = cfg
-        self.kind = cfg.kind
-        # FoX is exactly the gate parametrization with the phi_i - phi_j bias.
-        self.field_mode: str | None = (
-            None if cfg.kind == "softmax" else ("gate" if cfg.kind == "fox" else cfg.field)
-        )
+        self.kind = cfg.kind  # resolved into self.spec (the flags every path reads)
+        # FoX is exactly the gate parametrization with the phi_i - phi_j bias (its fixed field).
+        self.field_mode: str | None = (self.spec.fixed_field or cfg.field) if self.spec.has_field else None
         self.use_rope = cfg.use_rope
         if self.use_rope and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim; got {self.head_dim}")
@@ -137,6 +143,15 @@ class Attention(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    @property
+    def kind(self) -> str:
+        """The attention kind's name (fpa | fox | softmax); self.spec holds its resolved flags."""
+        return self.spec.name
+
+    @kind.setter
+    def kind(self, kind: str | AttentionKind) -> None:
+        self.spec = resolve_kind(kind)
 
     # ------------------------------------------------------------------------------------------------
     # Init
@@ -241,17 +256,29 @@ class Attention(nn.Module):
         return gk * k + (1 - gk) * k_prev, gv * v + (1 - gv) * v_prev
 
     def _finish_projection(
-        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_offset: int
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_offset: int, positions: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """qk-norm, RoPE from pos_offset and the field increments u of x (see project)."""
+        """qk-norm, RoPE from pos_offset (or at the given (B, T) positions) and the field increments u of x
+        (see project)."""
         t = x.shape[1]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            cos, sin = self._rope_tables(pos_offset, t, x.device)
+            if positions is None:
+                cos, sin = self._rope_tables(pos_offset, t, x.device)
+            else:  # per row (documents restart at 0): (B, 1, T, Dh/2) tables broadcast over the heads
+                top = int(positions.max()) + 1
+                cos, sin = self._rope_tables(0, top, x.device)
+                cos, sin = cos[positions][:, None], sin[positions][:, None]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         length = self.cfg.log_scale_length
-        if length is not None and pos_offset + t > length:  # inside the training length: untouched
+        if length is not None and positions is not None:
+            # Documents: a query sees the keys of its own document only, so the factor follows its position
+            # inside the document (the same on one rank, under sequence parallelism and in the cache).
+            if int(positions.max()) + 1 > length:
+                f = (torch.log1p(positions.double()) / math.log(length)).clamp(min=1.0).float()
+                q = q * f[:, None, :, None].to(q.dtype)
+        elif length is not None and pos_offset + t > length:  # inside the training length: untouched
             q = q * log_length_factor(pos_offset, t, length, q.device).to(q.dtype)[:, None]
         u = None
         if self.field_proj is not None:
@@ -286,23 +313,40 @@ class Attention(nn.Module):
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.out_proj(y)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None, segment_ids: Tensor | None = None
+    ) -> Tensor:
         """The attention op with this layer's kind / impl / block size (q may be shorter than k)."""
-        return fpa_attention(q, k, v, phi, kind=self.kind, impl=self.cfg.impl, block_size=self.cfg.block_size)
+        return fpa_attention(
+            q, k, v, phi, kind=self.spec, impl=self.cfg.impl, block_size=self.cfg.block_size,
+            segment_ids=segment_ids,
+        )  # fmt: skip
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, segment_ids: Tensor | None = None) -> Tensor:
         """Full-sequence causal attention: x (B,T,d_model) -> (B,T,d_model).
 
+        segment_ids (B, T): the document of each position (model.attention.document_mask): each query
+        attends only inside its document and RoPE positions restart at each document start.
         Under sequence parallelism x (B, T/W, d_model) is this rank's part of the sequence and so is the
-        result; the attention op then runs across the group.
+        result; the attention op then runs across the group, and segment_ids are the whole sequence's
+        (B, T), the same on every rank.
         """
         if self.sequence_parallel is not None:
-            return self._forward_sequence_parallel(x, self.sequence_parallel)
-        q, k, v, u = self.project(x)
+            return self._forward_sequence_parallel(x, self.sequence_parallel, segment_ids)
+        if segment_ids is None:
+            q, k, v, u = self.project(x)
+        else:
+            if self.shift_proj is not None:
+                raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
+            q, k, v = self.raw_qkv(x)
+            segment_ids = check_segment_ids(segment_ids, k)  # before the positions are read off them
+            q, k, v, u = self._finish_projection(x, q, k, v, 0, document_positions(segment_ids))
         phi = self.field_from_increments(u)
-        return self.output(self.attend(q, k, v, phi), x)
+        return self.output(self.attend(q, k, v, phi, segment_ids), x)
 
-    def _forward_sequence_parallel(self, x: Tensor, sp: SequenceParallel) -> Tensor:
+    def _forward_sequence_parallel(
+        self, x: Tensor, sp: SequenceParallel, segment_ids: Tensor | None = None
+    ) -> Tensor:
         # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute
         # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks. The
         # kv shift needs, for each chunk's first token, the raw k, v of the token before it, which another
@@ -314,6 +358,24 @@ class Attention(nn.Module):
             )
         c = x.shape[1] // len(ids)
         q, k, v = self.raw_qkv(x)
+        if segment_ids is not None:  # RoPE at the document positions of this rank's tokens
+            if self.shift_proj is not None:
+                raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
+            rank, world = sp_rank_world(sp)
+            want = (x.shape[0], x.shape[1] * world)
+            if tuple(segment_ids.shape) != want:
+                raise ValueError(
+                    f"sequence-parallel segment_ids must be the whole sequence's (B, T) = {want}, the same "
+                    f"on every rank; got {tuple(segment_ids.shape)}"
+                )
+            segment_ids = check_segment_ids(segment_ids, k, tk=want[1])
+            pos = shard_sequence(document_positions(segment_ids), rank, world, dim=1, layout=sp.layout)
+            q, k, v, u = self._finish_projection(x, q, k, v, 0, pos)
+            o = sequence_parallel_attention(
+                q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk",
+                block_size=self.cfg.block_size, impl=self.cfg.impl, segment_ids=segment_ids,
+            )  # fmt: skip
+            return self.output(o, x)
         if self.shift_proj is not None:
             tails = torch.stack(
                 [torch.cat([k[:, :, e - 1], v[:, :, e - 1]], -1) for e in range(c, k.shape[2] + 1, c)]
@@ -335,7 +397,7 @@ class Attention(nn.Module):
         else:
             q, k, v, u = self._finish_projection(x, q, k, v, ids[0] * c)
         o = sequence_parallel_attention(
-            q, k, v, u, sp, kind=self.kind, field=self.field_mode or "walk", block_size=self.cfg.block_size,
+            q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk", block_size=self.cfg.block_size,
             impl=self.cfg.impl,
         )  # fmt: skip
         return self.output(o, x)

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from fpa_model.attention import log_length_factor
-from fpa_model.config import ATTENTION_KINDS
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
@@ -120,16 +120,15 @@ class LayerCache:
 
     def __init__(
         self,
-        kind: str,
+        kind: str | AttentionKind,
         policy: EvictionPolicy | None = None,
         scale: float | None = None,
         *,
         q_bound: float | None = None,
         k_bound: float | None = None,
     ) -> None:
-        if kind not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention kind {kind!r}")
-        self.kind = kind
+        self.spec = resolve_kind(kind)
+        self.kind = self.spec.name
         self.policy = policy or EvictionPolicy()
         self.scale = scale
         # Hard ceilings on every query / key norm (qk_norm); None: estimated from the norms seen.
@@ -147,6 +146,8 @@ class LayerCache:
         self.q_max: Tensor | None = None  # (B,H) largest query norm seen
         self.k_max: Tensor | None = None  # (B,H) largest key norm seen
         self.log: list[Eviction] = []
+        # model.attention.document_mask: (B,H,C) int64 document of each cached key (None: one sequence).
+        self.seg: Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------
 
@@ -184,9 +185,13 @@ class LayerCache:
     # ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None, segment_ids: Tensor | None = None
+    ) -> Tensor:
+        """segment_ids (B, T): the documents of the new tokens (model.attention.document_mask); a query
+        then sees only the cached and new keys of its own document."""
         b, h, t, d = q.shape
-        if (phi is None) != (self.kind == "softmax"):
+        if (phi is None) == self.spec.has_field:
             raise ValueError(
                 f"attention kind {self.kind!r} {'needs' if phi is None else 'takes no'} field phi"
             )
@@ -195,10 +200,8 @@ class LayerCache:
         phi_f = phi.float() if phi is not None else None
 
         # Bias of the new keys among themselves (causal, -inf above the diagonal).
-        if phi_f is not None:
-            b_new = fpa_bias_naive(phi_f, self.kind)
-        else:
-            b_new = fpa_bias_naive(q.new_zeros(b, h, t), "softmax")
+        field = phi_f if phi_f is not None else q.new_zeros(b, h, t, dtype=torch.float32)
+        b_new = fpa_bias_naive(field, self.spec, segment_ids=segment_ids)
         logits_new = scale * torch.einsum("bhid,bhjd->bhij", qf, kf) + b_new
 
         if self.k is not None:
@@ -206,7 +209,7 @@ class LayerCache:
             logits_old = scale * torch.einsum("bhid,bhjd->bhij", qf, self.k.float())
             if phi_f is not None:
                 assert self.phi is not None and self.r is not None
-                if self.kind == "fpa":
+                if self.spec.range_min:
                     prefix_min = torch.cummin(phi_f, dim=-1).values  # min over [now+1, i]
                     b_old = (
                         torch.minimum(self.r[..., None, :], prefix_min[..., :, None]) - self.phi[..., None, :]
@@ -214,21 +217,35 @@ class LayerCache:
                 else:  # fox
                     b_old = phi_f[..., :, None] - self.phi[..., None, :]
                 logits_old = logits_old + b_old
-            logits_old = logits_old.masked_fill(~self.valid[..., None, :], float("-inf"))
+            visible = self.valid[..., None, :]
+            if segment_ids is not None:
+                assert self.seg is not None
+                visible = visible & (self.seg[..., None, :] == segment_ids[:, None, :, None])
+            logits_old = logits_old.masked_fill(~visible, float("-inf"))
             logits = torch.cat([logits_old, logits_new], dim=-1)
             values = torch.cat([self.v.float(), vf], dim=-2)
         else:
             logits, values = logits_new, vf
         out = torch.softmax(logits, dim=-1) @ values
-        self.append(q, k, v, phi_f)
+        self.append(q, k, v, phi_f, segment_ids)
         return out
 
     @torch.no_grad()
-    def append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
+    def append(
+        self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None, segment_ids: Tensor | None = None
+    ) -> None:
         """Add new tokens whose attention output was computed elsewhere (the model's own op, for a first
-        chunk), then apply the eviction policy."""
+        chunk), then apply the eviction policy. With segment_ids (B, T), keys of documents that have
+        ended (earlier than the newest token's) are dropped: no later query can see them."""
         self._append(q, k, v, None if phi is None else phi.float())
-        if self.policy.enabled and self.kind != "softmax":
+        if segment_ids is not None:
+            seg = segment_ids.long()[:, None, :].expand(*k.shape[:3])
+            self.seg = seg.clone() if self.seg is None else torch.cat([self.seg, seg], dim=-1)
+            assert self.valid is not None
+            done = self.valid & (self.seg < segment_ids[:, -1, None, None])
+            if bool(done.any()):
+                self._compact(done)
+        if self.policy.enabled and self.spec.has_field:
             self._evict()
 
     def _append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
@@ -262,7 +279,7 @@ class LayerCache:
     def _evict(self) -> None:
         assert self.phi is not None and self.r is not None and self.valid is not None
         assert self.k is not None and self.v is not None and self.pos is not None
-        if self.kind == "fpa":
+        if self.spec.range_min:
             bias = self.r - self.phi
         else:  # fox: phi is a cumulative sum of log forget gates, so phi_now is the running min
             assert self.phi_last is not None
@@ -276,6 +293,11 @@ class LayerCache:
             self.log.append(
                 Eviction(self.seen, bi, hi, self.pos[bi, hi, ci], bias[bi, hi, ci], delta[bi, hi, ci])
             )
+        self._compact(drop)
+
+    def _compact(self, drop: Tensor) -> None:
+        """Remove the slots flagged in drop (B,H,C) and shrink the capacity to the most kept per row."""
+        assert self.valid is not None and self.k is not None and self.v is not None and self.pos is not None
         keep = self.valid & ~drop
         new_cap = int(keep.sum(-1).max())
         # Kept slots first, in their original order (a stable sort of the drop flags), then cut.
@@ -284,8 +306,11 @@ class LayerCache:
         idx_d = order[..., None].expand(*order.shape, d)
         self.k = torch.gather(self.k, 2, idx_d)
         self.v = torch.gather(self.v, 2, idx_d)
-        self.phi = torch.gather(self.phi, 2, order)
-        self.r = torch.gather(self.r, 2, order)
+        if self.phi is not None and self.r is not None:
+            self.phi = torch.gather(self.phi, 2, order)
+            self.r = torch.gather(self.r, 2, order)
+        if self.seg is not None:
+            self.seg = torch.gather(self.seg, 2, order)
         self.pos = torch.gather(self.pos, 2, order)
         self.valid = torch.gather(keep, 2, order)
 
@@ -302,10 +327,26 @@ class KVCache:
 
     layers: list[LayerCache]
     seen: int = 0
+    # model.attention.document_mask: the end-of-document id; a token after it starts a new document (its
+    # queries see none of the earlier keys, its RoPE position restarts at 0), row by row.
+    eod_id: int | None = None
+    docs: Tensor | None = None  # (B,) end-of-document tokens seen per row: the next token's document
+    doc_start: Tensor | None = None  # (B,) stream index where each row's current document began
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, policy: EvictionPolicy | None = None) -> KVCache:
+    def for_model(
+        cls, model: torch.nn.Module, policy: EvictionPolicy | None = None, eod_id: int | None = None
+    ) -> KVCache:
+        """eod_id: the end-of-document token, required by (and only taken for) a model with
+        model.attention.document_mask."""
         policy = policy or EvictionPolicy()
+        attn_cfg = getattr(getattr(model, "cfg", None), "attention", None)
+        masked = bool(getattr(attn_cfg, "document_mask", False))
+        if masked and eod_id is None:
+            raise ValueError(
+                "model.attention.document_mask=true: the KV-cache decoder needs the end-of-document id "
+                "(eod_id=..., the data index's eod_id) to start a new document after it"
+            )
         layers = []
         for block in model.blocks:
             attn = block.attn
@@ -325,8 +366,27 @@ class KVCache:
                     bounds["q_bound"] = (
                         bounds["q_bound"] * float(log_length_factor(n - 1, 1, growth)[0]) if n else None
                     )
-            layers.append(LayerCache(attn.kind, policy, **bounds))
-        return cls(layers)
+            layers.append(LayerCache(attn.spec, policy, **bounds))
+        return cls(layers, eod_id=int(eod_id) if masked and eod_id is not None else None)
+
+    def documents(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """(segment ids, document positions), each (B,T), of new tokens idx (B,T) following the tokens
+        seen (document_mask); advances the per-row document state."""
+        assert self.eod_id is not None
+        b, t = idx.shape
+        if self.docs is None or self.doc_start is None:
+            self.docs = idx.new_zeros(b, dtype=torch.long)
+            self.doc_start = idx.new_zeros(b, dtype=torch.long)
+        if self.docs.shape[0] != b:
+            raise ValueError(f"the cache holds {self.docs.shape[0]} rows; got tokens of {b}")
+        ends = (idx == self.eod_id).long()
+        seg = self.docs[:, None] + ends.cumsum(1) - ends
+        p = torch.arange(self.seen, self.seen + t, device=idx.device).expand(b, t)
+        starts = torch.cat([self.docs[:, None], seg[:, :-1]], dim=1) != seg  # first token after an eod
+        first = torch.where(starts, p, self.doc_start[:, None]).cummax(dim=1).values
+        self.docs = seg[:, -1] + ends[:, -1]
+        self.doc_start = torch.where(ends[:, -1].bool(), self.seen + t, first[:, -1])
+        return seg, p - first
 
     def fraction_kept(self) -> dict[str, float | list[float]]:
         """{"per_layer": [kept/seen per layer], "overall": kept/seen over all layers and heads}."""
@@ -346,17 +406,23 @@ class KVCache:
 def _forward_chunk(model: torch.nn.Module, cache: KVCache, idx: Tensor) -> Tensor:
     """Run new tokens idx (B,T) through the model against the cache; return their logits (B,T,V)."""
     x = model.embed(idx)
+    seg = positions = None
+    if cache.eod_id is not None:
+        seg, positions = cache.documents(idx)
     for block, lc in zip(model.blocks, cache.layers):
         attn = block.attn
         h = block.norm1(x)
-        (q, k, v, u), lc.kv_prev = attn.project_with_carry(h, pos_offset=cache.seen, kv_prev=lc.kv_prev)
+        if seg is None:
+            (q, k, v, u), lc.kv_prev = attn.project_with_carry(h, pos_offset=cache.seen, kv_prev=lc.kv_prev)
+        else:  # document_mask (no kv_shift): RoPE at the positions inside each row's document
+            q, k, v, u = attn._finish_projection(h, *attn.raw_qkv(h), 0, positions)
         phi = attn.field_from_increments(u, lc.phi_last)
         if lc.seen == 0:
             # Nothing cached yet: the model's own op (chunked / Triton, O(T) memory) gives the exact output.
-            o = attn.attend(q, k, v, phi)
-            lc.append(q, k, v, phi)
+            o = attn.attend(q, k, v, phi, seg)
+            lc.append(q, k, v, phi, seg)
         else:
-            o = lc.attend(q, k, v, phi)
+            o = lc.attend(q, k, v, phi, seg)
         x = x + attn.output(o.to(h.dtype), h)
         x = x + block.mlp(block.norm2(x))
     cache.seen += idx.shape[1]
@@ -372,19 +438,21 @@ def prefill(
     policy: EvictionPolicy | None = None,
     chunk_size: int | None = None,
     all_logits: bool = False,
+    eod_id: int | None = None,
 ) -> tuple[Tensor, KVCache]:
     """Feed a prompt idx (B,T) in chunks of chunk_size; evictions happen between chunks, so later chunks
     (and the first generated token) already see the compressed cache.
 
     chunk_size None: the whole prompt at once when nothing is evicted (one pass of the model's op), else
     DEFAULT_PREFILL_CHUNK. Returns (logits, cache): logits (B,T,V) if all_logits else the last position's
-    (B,V).
+    (B,V). eod_id: the end-of-document token of a model with model.attention.document_mask (a new cache
+    only; a given cache keeps its own).
     """
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError(f"prefill needs token ids of shape (B, T>0); got {tuple(idx.shape)}")
-    cache = cache if cache is not None else KVCache.for_model(model, policy)
+    cache = cache if cache is not None else KVCache.for_model(model, policy, eod_id)
     if chunk_size is None:
-        evicting = any(lc.policy.enabled and lc.kind != "softmax" for lc in cache.layers)
+        evicting = any(lc.policy.enabled and lc.spec.has_field for lc in cache.layers)
         chunk_size = DEFAULT_PREFILL_CHUNK if evicting else idx.shape[1]
     if chunk_size < 1:
         raise ValueError(f"prefill chunk_size must be >= 1; got {chunk_size}")
@@ -441,14 +509,17 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     on_token: Callable[[Tensor], None] | None = None,
+    eod_id: int | None = None,
 ) -> tuple[Tensor, KVCache]:
     """Decoding: prompt idx (B,T) -> (new tokens (B, <= max_new_tokens), cache). Greedy by default;
     temperature > 0 samples (sample_next: top_k, generator). on_token(tokens (B,)) is called as each step's
     tokens are chosen (streaming).
 
     Stops early once every sequence has produced eos_id (later positions of finished rows repeat it).
+    eod_id: the end-of-document token of a model with model.attention.document_mask (prefill); a prompt
+    holding it starts a new document after it.
     """
-    logits, cache = prefill(model, idx, policy=policy, chunk_size=chunk_size)
+    logits, cache = prefill(model, idx, policy=policy, chunk_size=chunk_size, eod_id=eod_id)
     out: list[Tensor] = []
     done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for step in range(max_new_tokens):

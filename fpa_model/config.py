@@ -37,6 +37,10 @@ class AttentionConfig:
     # FoX "Pro": data-dependent key/value shift, k'_t = g k_t + (1 - g) k_{t-1} (same for v) with a
     # per-head gate g = sigmoid(W x_t + b) (zero init: a 50/50 mix); false adds no parameters.
     kv_shift: bool = False
+    # Packed windows hold several documents: true makes every query attend only inside its own document
+    # (segment ids from the end-of-document tokens, data_prep.loader.document_segments) and restarts RoPE
+    # positions at each document start. false: the window is one sequence (as before the switch existed).
+    document_mask: bool = False
     rope: bool | None = None  # None: on for softmax only (fpa/fox get position from the field)
     rope_theta: float = 10000.0
     # Init of the per-head field bias c_h: the increments start slightly negative so a fresh model
@@ -62,6 +66,16 @@ class AttentionConfig:
             raise ValueError(
                 f"model.attention.log_scale_length must be >= 2 (a training length) or null; "
                 f"got {self.log_scale_length}"
+            )
+        if self.document_mask and self.kv_shift:
+            raise ValueError(
+                "model.attention.document_mask=true does not combine with kv_shift=true (the shift would mix "
+                "a document's last token into the next one's first)"
+            )
+        if self.document_mask and self.impl == "triton":
+            raise ValueError(
+                "model.attention.document_mask=true is not served by impl=triton (the kernel has no document "
+                "mask); use impl=auto or chunked"
             )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(

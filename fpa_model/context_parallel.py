@@ -61,7 +61,7 @@ from torch import Tensor
 
 from fpa_model.config import ATTENTION_IMPLS, FIELD_MODES, SP_LAYOUTS, SP_MODES
 from fpa_model.ops.fpa import chunked, fpa_attention
-from fpa_model.ops.fpa.naive import KINDS
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 
 LAYOUTS = SP_LAYOUTS
 FIELDS = FIELD_MODES
@@ -310,16 +310,18 @@ class _Field:
         self.phi = (cs + offsets[list(ids)].permute(1, 2, 0)[..., None]).flatten(-2)  # (B,H,T_local)
 
 
-def _query_prefix(phi_q: Tensor | None, kind: str) -> tuple[Tensor | None, Tensor | None]:
+def _query_prefix(phi_q: Tensor | None, kind: AttentionKind) -> tuple[Tensor | None, Tensor | None]:
     """Prefix minima of a query chunk's field (fpa only): folded into M for row tiles after the first."""
-    if kind != "fpa" or phi_q is None:
+    if not kind.range_min or phi_q is None:
         return None, None
     return chunked.prefix_min(phi_q)
 
 
-def _tile_m(kind: str, m: Tensor | None, pmin: Tensor | None, s: int) -> tuple[Tensor | None, Tensor | None]:
+def _tile_m(
+    kind: AttentionKind, m: Tensor | None, pmin: Tensor | None, s: int
+) -> tuple[Tensor | None, Tensor | None]:
     """M for query rows [s, e): min(M, min phi_q[:s]); and where M itself wins (it is earlier: ties)."""
-    if kind != "fpa" or s == 0:
+    if not kind.range_min or s == 0:
         return m, None
     pref = pmin[..., s - 1]
     m_wins = m <= pref
@@ -334,7 +336,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         u: Tensor | None,
-        kind: str,
+        kind: AttentionKind,
         field: str,
         layout: str,
         group: Any,
@@ -342,12 +344,13 @@ class _ContextParallelAttention(torch.autograd.Function):
         rows: int,
         impl: str,
     ) -> Tensor:
+        # The block functions get the kind's name: the Triton blocks take it in that form.
         ops, blk = chunked, _block_fns(impl)
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
         n_local = len(ids)
         c = q.shape[-2] // n_local
-        fld = _Field(u, field, ids, group, world, layout) if kind != "softmax" else None
+        fld = _Field(u, field, ids, group, world, layout) if kind.has_field else None
         phi = fld.phi if fld is not None else None
 
         qs = q.split(c, dim=-2)
@@ -356,7 +359,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         outs, lses = out.split(c, dim=-2), lse.split(c, dim=-1)  # views, filled in place
-        no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind == "fpa" else None  # adjacent
+        no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind.range_min else None  # adjacent
 
         ring = _Ring(group) if world > 1 else None
         dk = k.shape[-1]
@@ -370,7 +373,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a:
                         continue
-                    m = _between_min(fld.minima, b, a)[0] if kind == "fpa" else None
+                    m = _between_min(fld.minima, b, a)[0] if kind.range_min else None
                     for s, e in _tiles(impl, c, rows):
                         qt = qs[ia][..., s:e, :]
                         if b == a:
@@ -379,7 +382,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                             # cheaper than the diagonal block's direct range min over all of [0, e).
                             pd = phis_q[ia][..., s:e] if phi is not None else None
                             o, lt = blk.fpa_diag_forward(
-                                qt, kk[ib][..., s:e, :], vv[ib][..., s:e, :], pd, kind=kind, scale=scale
+                                qt, kk[ib][..., s:e, :], vv[ib][..., s:e, :], pd, kind=kind.name, scale=scale
                             )
                             if s > 0:
                                 p0 = pk[ib][..., :s] if phi is not None else None
@@ -390,7 +393,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                                     pd,
                                     p0,
                                     no_m,
-                                    kind=kind,
+                                    kind=kind.name,
                                     scale=scale,
                                 )
                                 o, lt = ops.merge_lse(o, lt, o2, l2)
@@ -398,7 +401,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                             mt = _tile_m(kind, m, pmins[ia], s)[0]
                             pq = phis_q[ia][..., s:e] if phi is not None else None
                             o, lt = blk.fpa_cross_forward(
-                                qt, kk[ib], vv[ib], pq, pk[ib], mt, kind=kind, scale=scale
+                                qt, kk[ib], vv[ib], pq, pk[ib], mt, kind=kind.name, scale=scale
                             )
                         o_m, l_m = ops.merge_lse(outs[ia][..., s:e, :], lses[ia][..., s:e], o, lt)
                         outs[ia][..., s:e, :] = o_m
@@ -433,8 +436,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         dqs = dq.split(c, -2)
         dphi_q = torch.zeros_like(phi) if has_field else None
         dphis_q = dphi_q.split(c, -1) if has_field else None
-        dm_buf = torch.zeros_like(minima) if kind == "fpa" else None  # (N,B,H): dM per chunk holding M
-        no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind == "fpa" else None
+        dm_buf = torch.zeros_like(minima) if kind.range_min else None  # (N,B,H): dM per chunk holding M
+        no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind.range_min else None
 
         ring = _Ring(group) if world > 1 else None
         dk, dv = k.shape[-1], v.shape[-1]
@@ -457,14 +460,14 @@ class _ContextParallelAttention(torch.autograd.Function):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a:
                         continue
-                    m, m_at = _between_min(minima, b, a) if kind == "fpa" else (None, None)
+                    m, m_at = _between_min(minima, b, a) if kind.range_min else (None, None)
                     for s, e in _tiles(impl, c, rows):
                         args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
                         tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}
                         if b == a:  # the same split as the forward: causal [s, e) + cross [0, s)
                             pd = phis_q[ia][..., s:e] if has_field else None
                             kd, vd = kk[ib][..., s:e, :], vv[ib][..., s:e, :]
-                            g = blk.fpa_diag_backward(*args, kd, vd, pd, **tile, kind=kind, scale=scale)
+                            g = blk.fpa_diag_backward(*args, kd, vd, pd, **tile, kind=kind.name, scale=scale)
                             dqs[ia][..., s:e, :] += g.dq
                             gk[ib][..., s:e, :] += g.dk
                             gv[ib][..., s:e, :] += g.dv
@@ -475,7 +478,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                             p0 = pk[ib][..., :s] if has_field else None
                             k0, v0 = kk[ib][..., :s, :], vv[ib][..., :s, :]
                             g2 = blk.fpa_cross_backward(
-                                *args, k0, v0, pd, p0, no_m, **tile, kind=kind, scale=scale
+                                *args, k0, v0, pd, p0, no_m, **tile, kind=kind.name, scale=scale
                             )
                             dqs[ia][..., s:e, :] += g2.dq
                             gk[ib][..., :s, :] += g2.dk
@@ -487,7 +490,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                         mt, m_wins = _tile_m(kind, m, pmin, s)
                         pq = phis_q[ia][..., s:e] if has_field else None
                         g = blk.fpa_cross_backward(
-                            *args, kk[ib], vv[ib], pq, pk[ib], mt, **tile, kind=kind, scale=scale
+                            *args, kk[ib], vv[ib], pq, pk[ib], mt, **tile, kind=kind.name, scale=scale
                         )
                         dqs[ia][..., s:e, :] += g.dq
                         gk[ib].add_(g.dk)
@@ -496,7 +499,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                             continue
                         dphis_q[ia][..., s:e] += g.dphi_q
                         gp[ib].add_(g.dphi_k)
-                        if kind != "fpa":
+                        if not kind.range_min:
                             continue
                         # The tile's M is min(M between chunks, phi_q before row s): route dM to its argmin.
                         dm_between = g.dm if m_wins is None else g.dm * m_wins
@@ -530,7 +533,7 @@ def _field_backward(
     dphi: Tensor,
     dm_buf: Tensor | None,
     argmin: Tensor,
-    kind: str,
+    kind: AttentionKind,
     field: str,
     ids: tuple[int, ...],
     group: Any,
@@ -541,7 +544,7 @@ def _field_backward(
     n_local = len(ids)
     dphi_c = dphi.unflatten(-1, (n_local, -1))  # (B,H,n,c)
     cumulative = field in ("walk", "gate")
-    if kind != "fpa" and not cumulative:
+    if not kind.range_min and not cumulative:
         return dphi
     # One all-reduce returns the M gradients to the owners of the argmin tokens and shares the chunk
     # totals of dphi that the reverse scan of walk/gate fields needs.
@@ -563,11 +566,9 @@ def _field_backward(
 
 
 def _validate(
-    q: Tensor, k: Tensor, v: Tensor, u_or_phi: Tensor | None, kind: str, field: str, layout: str
+    q: Tensor, k: Tensor, v: Tensor, u_or_phi: Tensor | None, kind: AttentionKind, field: str, layout: str
 ) -> Tensor | None:
     """Argument checks shared by the ring and Ulysses; returns the field (None for softmax)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
     if field not in FIELDS:
         raise ValueError(f"unknown field mode {field!r}; expected one of {FIELDS}")
     _check_layout(layout)
@@ -576,9 +577,9 @@ def _validate(
             f"q, k, v must be (B, H, T_local, D) with equal shapes; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if kind != "softmax":
+    if kind.has_field:
         if u_or_phi is None:
-            raise ValueError(f"kind {kind!r} needs the field (increments or values), got None")
+            raise ValueError(f"kind {kind.name!r} needs the field (increments or values), got None")
         if u_or_phi.shape != q.shape[:-1]:
             raise ValueError(
                 f"u_or_phi must be (B, H, T_local) = {tuple(q.shape[:-1])}; got {tuple(u_or_phi.shape)}"
@@ -594,13 +595,14 @@ def context_parallel_attention(
     v: Tensor,
     u_or_phi: Tensor | None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     field: str = "walk",
     group: Any = None,
     scale: float | None = None,
     block_size: int = 64,
     layout: str = "zigzag",
     impl: str = "auto",
+    segment_ids: Tensor | None = None,
 ) -> Tensor:
     """Causal FPA / FoX / softmax attention of a sequence split over the ranks of `group`.
 
@@ -617,8 +619,15 @@ def context_parallel_attention(
     otherwise; "chunked" (or "naive") / "triton" force one ("triton" on CPU only under TRITON_INTERPRET=1,
     else a RuntimeError). T must be divisible by 2W (zigzag) or W (contiguous); every rank must pass the
     same shapes (and impl).
+    segment_ids (B, T), the whole sequence's document ids (the same on every rank, data_prep.loader.
+    document_segments of the full windows): pairs in different documents are masked. The keys are then
+    all-gathered (_gathered_documents) instead of passed round the ring.
     """
+    kind = resolve_kind(kind)
     u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)
+    if segment_ids is not None:
+        return _gathered_documents(q, k, v, u_or_phi, kind, field, group, scale, block_size, layout, impl,
+                                   segment_ids)  # fmt: skip
     _, world = _group_info(group)
     n_local = num_chunks(world, layout) // world
     if q.shape[-2] % n_local:
@@ -634,6 +643,76 @@ def context_parallel_attention(
     return _ContextParallelAttention.apply(
         q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl
     )
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(B, H, T/W, ...) sequence shards -> the full (B, H, T, ...) on every rank; the gradient of each
+    rank's shard is the sum over the ranks of their gradients at its positions."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, world: int, layout: str, rank: int) -> Tensor:
+        ctx.args = (group, world, layout, rank)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return unshard_sequence(parts, dim=2, layout=layout)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
+        group, world, layout, rank = ctx.args
+        g = g.contiguous()
+        dist.all_reduce(g, group=group)
+        return shard_sequence(g, rank, world, dim=2, layout=layout), None, None, None, None
+
+
+def _gathered_documents(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u_or_phi: Tensor | None,
+    kind: AttentionKind,
+    field: str,
+    group: Any,
+    scale: float | None,
+    block_size: int,
+    layout: str,
+    impl: str,
+    segment_ids: Tensor,
+) -> Tensor:
+    """The ring's contract with documents: every rank gathers the whole sequence's k, v and field
+    increments (differentiably) and runs fpa_attention (its document tile skipping and masks) for each
+    of its query chunks against the keys up to that chunk's end, with the segment ids of those keys.
+    Pairs in different documents are masked and the FPA minimum of a visible pair runs inside its own
+    document, so this equals the single-process masked attention. Memory: O(T) keys per rank."""
+    rank, world = _group_info(group)
+    b, t = q.shape[0], q.shape[-2] * world
+    if tuple(segment_ids.shape) != (b, t):
+        raise ValueError(
+            f"sequence-parallel segment_ids must be the whole sequence's (B, T) = {(b, t)} (the same on "
+            f"every rank); got {tuple(segment_ids.shape)}"
+        )
+    parts = [k, v] + ([u_or_phi[..., None]] if u_or_phi is not None else [])
+    if world > 1:
+        full = [_GatherSequence.apply(p, group, world, layout, rank) for p in parts]
+    else:
+        full = [unshard_sequence([p], dim=2, layout=layout) for p in parts]
+    phi = None
+    if u_or_phi is not None:
+        u = full[2][..., 0].float()
+        phi = u.cumsum(-1) if field in ("walk", "gate") else u
+    impl = "chunked" if impl in ("naive", "chunked") or not q.is_cuda else impl
+    ids = chunk_ids(rank, world, layout)
+    c = q.shape[-2] // len(ids)
+    outs = []
+    for i, a in enumerate(ids):
+        end = (a + 1) * c
+        outs.append(
+            fpa_attention(
+                q[..., i * c : (i + 1) * c, :], full[0][..., :end, :], full[1][..., :end, :],
+                None if phi is None else phi[..., :end], kind=kind, scale=scale, impl=impl,
+                block_size=block_size, segment_ids=segment_ids[:, :end],
+            )
+        )  # fmt: skip
+    return torch.cat(outs, dim=-2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -685,13 +764,14 @@ def ulysses_attention(
     v: Tensor,
     u_or_phi: Tensor | None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     field: str = "walk",
     group: Any = None,
     scale: float | None = None,
     block_size: int = 64,
     layout: str = "zigzag",
     impl: str = "auto",
+    segment_ids: Tensor | None = None,
 ) -> Tensor:
     """Same contract as context_parallel_attention, by all-to-all over heads (DeepSpeed-Ulysses).
 
@@ -705,22 +785,24 @@ def ulysses_attention(
         raise ValueError(
             f"ulysses sequence parallelism needs heads ({q.shape[1]}) divisible by the group size {world}"
         )
-    if kind != "softmax" and u_or_phi is None:
-        raise ValueError(f"kind {kind!r} needs the field (increments or values), got None")
+    kind = resolve_kind(kind)
+    if kind.has_field and u_or_phi is None:
+        raise ValueError(f"kind {kind.name!r} needs the field (increments or values), got None")
     if world == 1:
-        parts = [q, k, v] + ([u_or_phi[..., None]] if kind != "softmax" else [])
+        parts = [q, k, v] + ([u_or_phi[..., None]] if kind.has_field else [])
         full = [unshard_sequence([t], dim=2, layout=layout) for t in parts]
     else:
         full = [_SeqToHeads.apply(t, group, world, layout) for t in (q, k, v)]
-        if kind != "softmax":
+        if kind.has_field:
             full.append(_SeqToHeads.apply(u_or_phi[..., None], group, world, layout))
     phi = None
-    if kind != "softmax":
+    if kind.has_field:
         u = full[3][..., 0].float()
         phi = u.cumsum(-1) if field in ("walk", "gate") else u
     o = fpa_attention(
-        full[0], full[1], full[2], phi, kind=kind, scale=scale, impl=impl, block_size=block_size
-    )
+        full[0], full[1], full[2], phi, kind=kind, scale=scale, impl=impl, block_size=block_size,
+        segment_ids=segment_ids,
+    )  # fmt: skip
     if world == 1:
         return shard_sequence(o, 0, 1, dim=2, layout=layout)
     return _HeadsToSeq.apply(o, group, world, layout)
@@ -772,6 +854,11 @@ class _GatherChunks(torch.autograd.Function):
         return g[list(ids)], None, None, None, None
 
 
+def sp_rank_world(sp: SequenceParallel) -> tuple[int, int]:
+    """(rank, world) of this process in sp's group."""
+    return _group_info(sp.group)
+
+
 def chunk_predecessors(tails: Tensor, sp: SequenceParallel) -> Tensor:
     """For each of this rank's chunks, the value at the token just before the chunk's first token.
 
@@ -799,14 +886,16 @@ def sequence_parallel_attention(
     u_or_phi: Tensor | None,
     sp: SequenceParallel,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     field: str = "walk",
     block_size: int = 64,
     impl: str = "auto",
+    segment_ids: Tensor | None = None,
 ) -> Tensor:
-    """context_parallel_attention or ulysses_attention over sp's group and layout, as sp.mode says."""
+    """context_parallel_attention or ulysses_attention over sp's group and layout, as sp.mode says.
+    segment_ids: the whole sequence's (B, T) document ids, the same on every rank."""
     attend = ulysses_attention if sp.mode == "ulysses" else context_parallel_attention
     return attend(
         q, k, v, u_or_phi, kind=kind, field=field, group=sp.group, layout=sp.layout, block_size=block_size,
-        impl=impl,
+        impl=impl, segment_ids=segment_ids,
     )  # fmt: skip

@@ -42,8 +42,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.norm1(x), segment_ids)
         return x + self.mlp(self.norm2(x))
 
 
@@ -84,20 +84,33 @@ class GPT(nn.Module):
             block.norm2.weight.fill_(1.0)
         self.norm_f.weight.fill_(1.0)
 
-    def forward(self, idx: Tensor, head: bool = True, keep: Tensor | None = None) -> Tensor:
+    def forward(
+        self, idx: Tensor, head: bool = True, keep: Tensor | None = None, segment_ids: Tensor | None = None
+    ) -> Tensor:
         """Logits (B, T, vocab); head=False: the final normed hidden states (B, T, d_model), for a loss that
         applies lm_head itself (pipeline.loss, chunked).
 
         keep: a (B, T) bool mask; only those positions come out, as (N, vocab) logits or (N, d_model) states
         (N = keep.sum(), row-major). A loss on a few positions (passkey answers) then skips the vocab-wide
         head everywhere else, inside this forward (so ZeRO-3 still gathers the head's weight).
+
+        segment_ids (B, T): the document of each position of packed windows
+        (data_prep.loader.document_segments); required with model.attention.document_mask and taken only
+        then, so the documents of a window attend as if each stood alone. Under sequence parallelism idx is
+        this rank's part and segment_ids the whole sequence's (B, T), the same on every rank.
         """
+        if self.cfg.attention.document_mask != (segment_ids is not None):
+            raise ValueError(
+                "model.attention.document_mask=true needs segment_ids (data_prep.loader.document_segments)"
+                if segment_ids is None
+                else "segment_ids given to a model without model.attention.document_mask=true"
+            )
         x = self.embed(idx)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, segment_ids, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, segment_ids)
         x = self.norm_f(x)
         if keep is not None:
             x = x[keep]

@@ -179,8 +179,15 @@ def hf_model(model: GPT, *, eos_id: int | None = None, cache: Any = None) -> Any
 
     cache: an eval.cache section (pipeline.config.CacheConfig) whose margin / delta / norm_slack become the
     eviction settings of generate(); eviction itself stays off (config.evict) so that generate() reproduces
-    the full forward pass unless asked.
+    the full forward pass unless asked. A model.attention.document_mask model keeps its documents apart:
+    from position_ids resets or the end-of-document token eos_id (pipeline.hf.modeling_fpa).
     """
+    masked = model.cfg.attention.document_mask
+    if masked and eos_id is None:
+        raise ValueError(
+            "model.attention.document_mask=true: the HF export needs eos_id (the end-of-document id) to "
+            "cut documents when no position_ids are given"
+        )
     from pipeline.hf.configuration_fpa import FPAConfig
     from pipeline.hf.modeling_fpa import FPAForCausalLM, model_config_dict
 
@@ -196,6 +203,7 @@ def hf_model(model: GPT, *, eos_id: int | None = None, cache: Any = None) -> Any
         eos_token_id=eos_id,
         bos_token_id=eos_id,  # documents follow an end-of-document token in training
         pad_token_id=eos_id,
+        document_eod_id=eos_id if masked else None,
         **extra,
     )
     config.auto_map = {

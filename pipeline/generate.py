@@ -148,6 +148,7 @@ def generate_text(
         policy=policy,
         chunk_size=c.prefill_chunk if evict else None,
         eos_id=index.eod_id,
+        eod_id=index.eod_id,  # document_mask models: the prompt is a document after the eod prefix
         temperature=temperature,
         top_k=top_k,
         generator=generator,

@@ -80,6 +80,7 @@ LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "kv_shift"): False,
     ("model", "attention", "qk_norm_scale"): 1.0,
     ("model", "attention", "log_scale_length"): None,
+    ("model", "attention", "document_mask"): False,
     ("train", "passkey", "ramp_steps"): 0,
     ("train", "passkey", "task"): "passkey",
 }

@@ -17,6 +17,7 @@ import torch
 from pipeline import distributed as dist_utils
 from pipeline.batches import Batch, MicroBatch, batch_to_xy
 from pipeline.checkpointer import TrainState
+from pipeline.config import RunConfig
 from pipeline.deepspeed_internals import poisoned, skipped_steps
 from pipeline.guards import StepPolicy, drop_step
 from pipeline.loss import IGNORE_INDEX, lm_loss
@@ -45,6 +46,7 @@ class StepSetup:
     precision: str
     passkey_weight: float
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: the plain loss over all logits)
+    eod_id: int | None = None  # model.attention.document_mask: segment ids from this token (document_eod)
 
     @property
     def manual_norm(self) -> bool:
@@ -80,6 +82,7 @@ def micro_loss(
     sp: SeqParallel | None,
     chunk_tokens: int = 0,
     targeted_only: bool = False,
+    eod_id: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token loss of one micro batch and the number of tokens it covers.
 
@@ -87,7 +90,15 @@ def micro_loss(
     of the group); grad_scale=degree undoes DeepSpeed averaging gradients over the dp x sp ranks.
     targeted_only: the LM head runs only where a target is not ignored (passkey rows: a few answer tokens
     per prompt), the same loss without vocab-wide logits for every prompt token.
+    eod_id: the end-of-document token of a model with model.attention.document_mask; the model is then
+    given each window's segment ids (data_prep.loader.document_segments).
     """
+    docs = {}
+    if eod_id is not None:  # from the whole windows (under sp every rank holds all of them)
+        from data_prep.loader import document_segments
+
+        full = batch[0] if isinstance(batch, tuple) else batch[:, :-1]
+        docs = {"segment_ids": document_segments(full.long(), eod_id).to(device)}
     if sp is None:
         x, y = batch_to_xy(batch, device)
     else:
@@ -103,12 +114,21 @@ def micro_loss(
     if keep is not None:
         y = y[keep][None]  # (1, N): the model returns the kept positions only, in the same order
     if chunk_tokens:  # the loss applies the LM head itself, chunk by chunk
-        hidden = engine(x, head=False, keep=keep)
+        hidden = engine(x, head=False, keep=keep, **docs)
         hidden = hidden[None] if keep is not None else hidden
         head = engine.module.lm_head.weight
         return lm_loss(hidden, y, head=head, chunk_tokens=chunk_tokens, group=group, grad_scale=scale), n
-    logits = engine(x, keep=keep)
+    logits = engine(x, keep=keep, **docs)
     return lm_loss(logits[None] if keep is not None else logits, y, group=group, grad_scale=scale), n
+
+
+def document_eod(cfg: RunConfig) -> int | None:
+    """The end-of-document id segment ids are derived from under model.attention.document_mask, else None."""
+    if not cfg.model.attention.document_mask:
+        return None
+    from data_prep.index import load_index
+
+    return int(load_index(cfg.data_dir).eod_id)
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -137,13 +157,21 @@ def train_step(
     for i, micro in enumerate(micro_batches):
         wait += micro.wait
         with autocast(setup.device, setup.precision, setup.zero_stage):
-            loss, _ = micro_loss(engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens)
+            loss, _ = micro_loss(
+                engine, micro.lm, setup.device, setup.sp, setup.loss_chunk_tokens, eod_id=setup.eod_id
+            )
         lm_value, pk_value = loss.item(), 0.0
         if micro.passkey is not None:  # the passkey phase adds answer-only rows
             in_phase = True
             with autocast(setup.device, setup.precision, setup.zero_stage):
                 pk_loss, _ = micro_loss(
-                    engine, micro.passkey, setup.device, setup.sp, setup.loss_chunk_tokens, targeted_only=True
+                    engine,
+                    micro.passkey,
+                    setup.device,
+                    setup.sp,
+                    setup.loss_chunk_tokens,
+                    targeted_only=True,
+                    eod_id=setup.eod_id,
                 )
             pk_value = pk_loss.item()
             loss = loss + setup.passkey_weight * pk_loss

@@ -58,7 +58,7 @@ from pipeline.logging import make_logger
 from pipeline.metrics import Metrics, measure_peak_flops
 from pipeline.preemption import EXIT_PREEMPTED, REQUEUE_ENV, Preempted, StopFlag, requeue_slurm_job
 from pipeline.schedule import lr_at
-from pipeline.step import SeqParallel, StepSetup, train_step
+from pipeline.step import SeqParallel, StepSetup, document_eod, train_step
 from pipeline.validation import evaluate
 
 # Imported from here by callers and tests.
@@ -209,6 +209,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
         precision=d.precision,
         passkey_weight=tc.passkey.weight,
         loss_chunk_tokens=tc.loss_chunk_tokens,
+        eod_id=document_eod(cfg),
     )
     stop = StopFlag()
     stop.install()

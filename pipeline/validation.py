@@ -9,7 +9,7 @@ import torch
 from pipeline.batches import LoaderFactory
 from pipeline.config import RunConfig, resolve_precision
 from pipeline.errors import TrainingError
-from pipeline.step import SeqParallel, all_reduce_sum, autocast, micro_loss
+from pipeline.step import SeqParallel, all_reduce_sum, autocast, document_eod, micro_loss
 
 
 @torch.no_grad()
@@ -28,6 +28,7 @@ def evaluate(
     val_batches * global_batch of the split) do not depend on the number of ranks.
     """
     loader = make_loader(cfg, "validation", dp_rank, dp_world)
+    eod_id = document_eod(cfg)
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
     try:
@@ -39,7 +40,7 @@ def evaluate(
             except StopIteration:
                 break
             with autocast(device, resolve_precision(cfg.train), cfg.train.zero_stage):
-                loss, n = micro_loss(engine, batch, device, sp, cfg.train.loss_chunk_tokens)
+                loss, n = micro_loss(engine, batch, device, sp, cfg.train.loss_chunk_tokens, eod_id=eod_id)
             total += torch.tensor([loss.item() * n, n], dtype=torch.float64)
     finally:
         engine.train()

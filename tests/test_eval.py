@@ -209,7 +209,7 @@ def test_passkey_grid_scores_and_aggregates(
     model = GPT(cfg.model).eval()
     seen_prompts: list[list[int]] = []
 
-    def fake_generate(model, idx, max_new, *, policy, chunk_size):  # noqa: ANN001
+    def fake_generate(model, idx, max_new, *, policy, chunk_size, eod_id=None):  # noqa: ANN001
         outs = []
         for row in idx.tolist():
             seen_prompts.append(row)
@@ -402,3 +402,100 @@ def test_passkey_digits_mismatch_is_named() -> None:
     assert passkey_digits_mismatch(load_config([], ["eval.passkey.digits=3"])) is None  # no phase: no claim
     msg = passkey_digits_mismatch(load_config([], [*taught, "eval.passkey.digits=5"]))
     assert msg is not None and "eval.passkey.digits=5" in msg and "2-digit keys" in msg
+
+
+# ----------------------------------------------------------------------------------------------------
+# model.attention.document_mask: every eval reads the windows and prompts with segment ids
+
+
+def _masked_model(tmp: Path, data_dir: Path, name: str) -> tuple[RunConfig, torch.nn.Module]:
+    from fpa_model.model import GPT
+
+    cfg = _run_cfg(tmp, data_dir, name, "fpa", ["model.attention.document_mask=true"])
+    torch.manual_seed(3)
+    model = GPT(cfg.model).eval()
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.field_proj.weight.normal_(0, 0.3)
+    return cfg, model
+
+
+def test_perplexity_of_a_masked_model_uses_segment_ids(tmp_path: Path, data_dir: Path) -> None:
+    """run_perplexity of a document_mask model equals the loss computed directly with the windows' segment
+    ids (which differs from the unmasked loss: the windows hold several documents), through the plain
+    forward and through the cache; without eod_id it is a one-line error, not an unmasked run."""
+    from data_prep.index import load_index
+    from data_prep.loader import document_segments
+    from data_prep.tokenizer import load_tokenizer
+    from fpa_model.cache import EvictionPolicy
+    from pipeline.evaluation.perplexity import run_perplexity, validation_stream
+
+    cfg, model = _masked_model(tmp_path, data_dir, "pplmask")
+    tok, eod = load_tokenizer(data_dir), load_index(data_dir).eod_id
+    # The "ood" split (short wiki summaries): its windows hold several documents.
+    kw = {"data_dir": data_dir, "seq_len": SEQ_LEN, "multipliers": [2], "bucket": 32, "sequences": 2,
+          "split": "ood"}  # fmt: skip
+    res = run_perplexity(
+        model, tok, out_dir=tmp_path, eod_id=eod, prefill_chunk=48,
+        evict=EvictionPolicy(enabled=True, delta=1e9), **kw,
+    )["lengths"][str(2 * SEQ_LEN)]  # fmt: skip
+    win = torch.from_numpy(validation_stream(data_dir, 2 * (2 * SEQ_LEN + 1), "ood")).view(2, -1)
+    x = win[:, :-1]
+    seg = document_segments(x, eod)
+    assert int(seg[:, -1].max()) >= 1  # a window holds more than one document
+    with torch.no_grad():
+        loss = F.cross_entropy(model(x, segment_ids=seg).transpose(1, 2), win[:, 1:], reduction="none")
+        model.cfg.attention.document_mask = False  # the same weights reading the windows as one sequence
+        unmasked = F.cross_entropy(model(x).transpose(1, 2), win[:, 1:], reduction="none")
+        model.cfg.attention.document_mask = True
+    assert res["loss"] == pytest.approx(float(loss.mean()), rel=1e-5)
+    assert res["loss_by_bucket"][3] == pytest.approx(float(loss[:, 96:128].mean()), rel=1e-5)
+    assert float((unmasked - loss).abs().max()) > 1e-2  # the mask changes the loss after an eod
+    # Nothing evicted (delta 1e9): the cache in chunks of 48 gives the masked loss too.
+    assert res["loss_compressed"] == pytest.approx(res["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="run_perplexity: the model has model.attention.document_mask"):
+        run_perplexity(model, tok, out_dir=tmp_path / "no", **kw)
+
+
+def test_passkey_of_a_masked_model_decodes_the_prompt_as_one_document(tmp_path: Path, data_dir: Path) -> None:
+    """The passkey cell's answers of a document_mask model are the greedy tokens of the masked forward
+    (recomputed over the whole sequence at every step) on the prefixed prompt; no eod_id: an error."""
+    from data_prep.index import load_index
+    from data_prep.loader import document_segments
+    from data_prep.tokenizer import load_tokenizer
+    from fpa_model.cache import EvictionPolicy
+    from pipeline.evaluation import passkey as pk_eval
+
+    cfg, model = _masked_model(tmp_path, data_dir, "pkmask")
+    tok, eod = load_tokenizer(data_dir), load_index(data_dir).eod_id
+    digits, keys = cfg.eval.passkey.digits, [12345, 67890]
+    args = {"length": SEQ_LEN, "depth": 0.5, "keys": keys, "digits": digits, "chunk_size": None,
+            "policy": EvictionPolicy(), "prefix_ids": [eod], "device": torch.device("cpu")}  # fmt: skip
+    cell = pk_eval.run_cell(model, tok, eod_id=eod, **args)
+    budget = pk_eval.answer_budget(digits)
+    for key, answer in zip(keys, cell["answers"]):
+        x = torch.tensor([protocol.build_prompt(tok, SEQ_LEN - budget, 0.5, key, prefix_ids=[eod]).ids])
+        assert int(document_segments(x, eod)[0, -1]) == 1  # the prefix, then the prompt as one document
+        with torch.no_grad():
+            for _ in range(budget):
+                nxt = model(x, segment_ids=document_segments(x, eod))[:, -1].argmax(-1, keepdim=True)
+                x = torch.cat([x, nxt], dim=1)
+        assert answer == protocol.decode(tok, x[0, -budget:].tolist())
+    with pytest.raises(ValueError, match="passkey: the model has model.attention.document_mask"):
+        pk_eval.run_cell(model, tok, **args)
+
+
+def test_evaluate_a_masked_model(tmp_path: Path, data_dir: Path) -> None:
+    """`evaluate` end to end on a document_mask export: every stage (passkey, perplexity on each split,
+    the evicting cache) gets the index's eod id; the report's 2x loss is the masked one."""
+    from pipeline.evaluation import evaluate, load_report
+
+    cfg = _run_cfg(tmp_path, data_dir, "evalmask", "fpa", ["model.attention.document_mask=true"])
+    _export_random_model(cfg)
+    evaluate(cfg)
+    rep = load_report(cfg.run_dir)
+    assert set(rep["heldout"]) == {"validation", "ood"} and rep["passkey_accuracy_compressed"] is not None
+    ppl = json.loads((cfg.run_dir / "eval" / "perplexity.json").read_text())
+    assert rep["heldout"]["validation"][str(SEQ_LEN)]["loss"] == pytest.approx(
+        ppl["lengths"][str(SEQ_LEN)]["loss"]
+    )

@@ -470,3 +470,22 @@ def test_bf16_long_sequence_with_large_field_keeps_precision():
     # The same field rounded to bf16 loses it: the check above can fail.
     bad = run(torch.bfloat16, torch.bfloat16)[0]
     assert (bad.double() - ref[0]).abs().max().item() > 0.1
+
+
+def test_attention_kinds_resolve_once_to_their_flags():
+    """The kind spec every path reads: flags per kind, kernel ids as the Triton kernels number them."""
+    from fpa_model.config import ATTENTION_KINDS
+    from fpa_model.ops.fpa.kinds import SPECS, resolve_kind
+
+    flags = {n: (s.has_field, s.range_min, s.query_term, s.fixed_field) for n, s in SPECS.items()}
+    assert flags == {
+        "fpa": (True, True, False, None),
+        "fox": (True, False, True, "gate"),
+        "softmax": (False, False, False, None),
+    }
+    assert tuple(SPECS) == ATTENTION_KINDS
+    assert all(resolve_kind(n) is resolve_kind(s) is s for n, s in SPECS.items())
+    with pytest.raises(ValueError, match="unknown attention kind 'nope'"):
+        resolve_kind("nope")
+    tk = pytest.importorskip("fpa_model.ops.fpa.triton_kernel")
+    assert {n: s.kernel_id for n, s in SPECS.items()} == tk._KIND_ID

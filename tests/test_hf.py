@@ -241,3 +241,111 @@ def test_hf_config_without_kv_shift_loads_as_before(exported: dict) -> None:
     model = FPAForCausalLM(config)
     assert model.model.cfg.attention.kv_shift is False
     assert not any("shift" in n for n in model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def exported_docs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, tuple]:
+    """Per kind (fpa; softmax, with RoPE): a model.attention.document_mask model, (cfg, plain, hf dir)."""
+    from launch.cli import main
+    from pipeline.config import to_yaml
+
+    tmp = tmp_path_factory.mktemp("hfdocs")
+    out = {}
+    for kind in ("fpa", "softmax"):
+        cfg = run_cfg(tmp, data_dir, f"hf-docs-{kind}", kind, ["model.attention.document_mask=true"])
+        plain = export_random_model(cfg, seed=7)
+        yaml = tmp / f"docs-{kind}.yaml"
+        yaml.write_text(to_yaml(cfg))
+        assert main(["export", str(yaml), "--format", "hf", "--checkpoint", str(plain)]) == 0
+        out[kind] = (cfg, plain, cfg.run_dir / "export-hf")
+    return out
+
+
+def _docs(cfg, eod: int, lengths: list[int], seed: int) -> list[list[int]]:  # noqa: ANN001
+    """Random documents without the end-of-document token (as a flattening collator packs them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [t for t in range(cfg.model.vocab_size) if t != eod]
+    return [[ids[i] for i in torch.randint(0, len(ids), (n,), generator=g).tolist()] for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["fpa", "softmax"])
+def test_hf_document_mask_packed_by_position_ids(kind: str, exported_docs: dict, data_dir: Path) -> None:
+    """The exported masked model on a batch packed by transformers' DataCollatorWithFlattening (position
+    ids restart at 0 per document) equals the project's model with the matching segment ids, and each
+    document run alone; without position_ids it cuts at the end-of-document token, as in training."""
+    from transformers import DataCollatorWithFlattening
+
+    from data_prep.index import load_index
+    from data_prep.loader import document_segments
+    from pipeline.export import load_exported
+
+    cfg, plain, hf_dir = exported_docs[kind]
+    model, _ = _load(hf_dir)
+    eod = load_index(data_dir).eod_id
+    assert model.config.document_eod_id == eod
+    ref = load_exported(plain)
+    lengths = [9, 1, 1, 17, 5]
+    docs = _docs(cfg, eod, lengths, seed=8)
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
+    x, pos = batch["input_ids"], batch["position_ids"]
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        got = model(input_ids=x, position_ids=pos).logits
+        torch.testing.assert_close(got, ref(x, segment_ids=seg), rtol=0, atol=1e-6)
+        start = 0
+        for d in docs:
+            alone = ref(torch.tensor([d]), segment_ids=torch.zeros(1, len(d), dtype=torch.long))
+            torch.testing.assert_close(got[:, start : start + len(d)], alone, rtol=1e-4, atol=1e-4)
+            start += len(d)
+        # No position_ids, no end-of-document token: one document (the logits then differ: a real check).
+        whole = model(input_ids=x).logits
+        torch.testing.assert_close(whole, ref(x, segment_ids=torch.zeros_like(x)), rtol=0, atol=1e-6)
+        assert not torch.allclose(whole, got, atol=1e-3)
+        # No position_ids, documents ended by the end-of-document token: cut after each, as in training.
+        y = torch.tensor([sum((d + [eod] for d in docs), [])])
+        torch.testing.assert_close(
+            model(input_ids=y).logits, ref(y, segment_ids=document_segments(y, eod)), rtol=0, atol=1e-6
+        )
+
+
+def test_hf_document_mask_generate_and_errors(exported_docs: dict, exported: dict, data_dir: Path) -> None:
+    """generate() on a prompt holding the end-of-document token equals the project's cache decoder (a new
+    document after it); packed position_ids with a cache, ids that do not count up, and resets given to a
+    model without the mask are one-line errors."""
+    from data_prep.index import load_index
+    from fpa_model.cache import generate
+    from pipeline.export import load_exported
+
+    cfg, plain, hf_dir = exported_docs["fpa"]
+    model, _ = _load(hf_dir)
+    ref = load_exported(plain)
+    eod = load_index(data_dir).eod_id
+    a, b = _docs(cfg, eod, [11, 8], seed=9)
+    x = torch.tensor([a + [eod] + b])
+    # eos_token_id=None: transformers would read the eod (= pad) in the prompt as padding; say it is not.
+    ones = torch.ones_like(x)
+    out = model.generate(
+        x, attention_mask=ones, max_new_tokens=10, do_sample=False, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    want, _ = generate(ref, x, 10, eod_id=eod)
+    new = out.sequences[:, x.shape[1] :]
+    assert new.tolist() == want.tolist()
+    # Every step's logits are those of the last document run alone (the first is invisible after the eod).
+    alone = torch.cat([torch.tensor([b]), new[:, :-1]], dim=1)
+    with torch.no_grad():
+        want_logits = ref(alone, segment_ids=torch.zeros_like(alone))[:, len(b) - 1 :]
+    torch.testing.assert_close(torch.stack(out.logits, 1), want_logits, rtol=1e-4, atol=1e-4)
+    pos = torch.tensor([list(range(11)) + list(range(9))])
+    with pytest.raises(ValueError, match="served by the full forward"):
+        model(input_ids=x, position_ids=pos, use_cache=True)
+    with pytest.raises(ValueError, match="count up by 1"):
+        model(input_ids=x, position_ids=pos + (pos > 3).long())
+    plain_model, _ = _load(exported["fpa"][2])
+    with pytest.raises(ValueError, match="without model.attention.document_mask"):
+        plain_model(input_ids=x, position_ids=pos)
+    with torch.no_grad():  # position ids without resets change nothing there
+        torch.testing.assert_close(
+            plain_model(input_ids=x, position_ids=torch.arange(20)[None]).logits,
+            plain_model(input_ids=x).logits, rtol=0, atol=0,
+        )  # fmt: skip

@@ -154,6 +154,7 @@ def _evaluate(
             prefix_ids=[index.eod_id],  # documents in the training stream start right after an EOD
             logger=logger,
             device=device,
+            eod_id=index.eod_id,  # document_mask models: the prompt is one document after the prefix
         )
     long_context = None
     if cfg.eval.long_context.tasks:
@@ -169,6 +170,7 @@ def _evaluate(
             taught=taught_task(cfg.train.passkey.task) if cfg.train.passkey.steps else None,
             logger=logger,
             device=device,
+            eod_id=index.eod_id,  # document_mask models: each prompt is one document after the prefix
         )
         # The same prompts as lm-eval tasks (eval.harness.include_path may name this folder).
         write_harness_tasks(
@@ -189,6 +191,7 @@ def _evaluate(
         "sequences": cfg.eval.ppl_sequences,
         "out_dir": out_dir,
         "device": device,
+        "eod_id": index.eod_id,  # document_mask models: each window's segment ids
     }
     ppl = run_perplexity(
         model,

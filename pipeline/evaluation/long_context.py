@@ -59,14 +59,22 @@ def run_task_cell(
     chunk_size: int | None,
     prefix_ids: list[int],
     device: torch.device,
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
-    """One (task, length, depth, mode) cell: `trials` prompts of `length` tokens with their answers."""
+    """One (task, length, depth, mode) cell: `trials` prompts of `length` tokens with their answers.
+    eod_id: the end-of-document token, required by a model.attention.document_mask model (each prompt
+    is one document after the prefix)."""
+    from pipeline.evaluation.perplexity import document_eod
+
+    eod = document_eod(model, eod_id, "long-context")
     budget = tasks.answer_budget(spec, digits)
     rng = cell_rng(seed, spec, length, depth)
     prompts = [
         tasks.task_prompt(tokenizer, spec, length - budget, depth, rng, digits=digits, prefix_ids=prefix_ids)
         for _ in range(trials)
     ]
+    if eod is not None and any(eod in p.ids[len(prefix_ids) :] for p in prompts):
+        raise ValueError(f"a {spec.id} prompt holds the end-of-document token {eod}: it must be one document")
     answers, kept = decode_answers(
         model,
         tokenizer,
@@ -75,6 +83,7 @@ def run_task_cell(
         policy=policy,
         chunk_size=chunk_size,
         device=device,
+        eod_id=eod,
     )
     correct = [tasks.is_correct(p, a) for p, a in zip(prompts, answers)]
     return {
@@ -108,6 +117,7 @@ def run_long_context(
     taught: str | None = None,
     logger: Any = None,
     device: torch.device | None = None,
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
     """Every task's grid. taught: the task id the training phase taught (None: none). Writes
     long_context.json and a heatmap per task, logs a W&B table per task, returns the JSON content."""
@@ -154,6 +164,7 @@ def run_long_context(
                 chunk_size=chunk,
                 prefix_ids=list(prefix_ids or []),
                 device=device,
+                eod_id=eod_id,
             )
 
         by_mode, rows = run_grid(cell, lengths, s["depths"], modes, cache_cfg, seq_len=seq_len, name=spec.id)

@@ -3,6 +3,10 @@ cache and with FPA/FoX eviction, scored by exact match of the generated integer.
 
 Outputs under the eval dir: passkey.json (the grid and every answer) and passkey.png (a heatmap per cache
 mode, accuracy in each cell, cache fraction kept in the titles).
+
+A model.attention.document_mask model decodes each prompt as one document: the prompt follows the
+end-of-document prefix and holds no other end-of-document token (checked), so the cache (eod_id) starts
+the document right after the prefix, as passkey documents start in the training stream.
 """
 
 from __future__ import annotations
@@ -53,11 +57,13 @@ def decode_answers(
     policy: EvictionPolicy,
     chunk_size: int | None,
     device: torch.device,
+    eod_id: int | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """Greedy continuations (`budget` tokens) of equal-length prompts decoded as one batch, and what the
-    cache kept: every grid cell (the passkey's and the long-context tasks') runs through here."""
+    cache kept: every grid cell (the passkey's and the long-context tasks') runs through here. eod_id:
+    the end-of-document token of a model with model.attention.document_mask (the cache's documents)."""
     idx = torch.tensor(prompts, dtype=torch.long, device=device)
-    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size)
+    new, cache = generate(model, idx, budget, policy=policy, chunk_size=chunk_size, eod_id=eod_id)
     answers = [protocol.decode(tokenizer, row) for row in new.tolist()]
     frac = cache.fraction_kept()
     return answers, {
@@ -79,12 +85,19 @@ def run_cell(
     chunk_size: int | None,
     prefix_ids: list[int],
     device: torch.device,
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
-    """One (length, depth, mode) cell: the prompts of all keys decoded as one batch."""
+    """One (length, depth, mode) cell: the prompts of all keys decoded as one batch. eod_id: the
+    end-of-document token, required by a model.attention.document_mask model."""
+    from pipeline.evaluation.perplexity import document_eod
+
+    eod = document_eod(model, eod_id, "passkey")
     budget = answer_budget(digits)
     prompts = [
         protocol.build_prompt(tokenizer, length - budget, depth, k, prefix_ids=prefix_ids) for k in keys
     ]
+    if eod is not None and any(eod in p.ids[len(prefix_ids) :] for p in prompts):
+        raise ValueError(f"a passkey prompt holds the end-of-document token {eod}: it must be one document")
     answers, kept = decode_answers(
         model,
         tokenizer,
@@ -93,6 +106,7 @@ def run_cell(
         policy=policy,
         chunk_size=chunk_size,
         device=device,
+        eod_id=eod,
     )
     correct = [protocol.is_correct(a, k) for a, k in zip(answers, keys)]
     return {
@@ -194,8 +208,10 @@ def run_passkey(
     prefix_ids: list[int] | None = None,
     logger: Any = None,
     device: torch.device | None = None,
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
-    """The whole grid, both cache modes (compressed only for fpa/fox with eviction enabled).
+    """The whole grid, both cache modes (compressed only for fpa/fox with eviction enabled). eod_id: the
+    end-of-document token, required by a model.attention.document_mask model (run_cell).
 
     Writes passkey.json and passkey.png into out_dir, logs a W&B table through `logger.log_table` when a
     logger is given, and returns the JSON content.
@@ -234,6 +250,7 @@ def run_passkey(
             chunk_size=chunk_size,
             prefix_ids=list(prefix_ids or []),
             device=device,
+            eod_id=eod_id,
         )
 
     result["modes"], rows = run_grid(cell, lengths, depths, modes, cache_cfg, seq_len=seq_len, name="passkey")

@@ -10,6 +10,10 @@ with different tokenizers compare. Special tokens (the end-of-document separator
 
 With eviction on (fpa/fox), every window is also read through the evicting KV cache in prefill chunks,
 giving the loss by position with the compressed cache and the fraction kept: the price of compression.
+
+A model.attention.document_mask model reads each window as it was trained: segment ids from the
+end-of-document tokens (eod_id), so a query attends only inside its document (the cache: a new document
+after each eod). The loss by position is still by position in the window.
 """
 
 from __future__ import annotations
@@ -86,26 +90,55 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     return out
 
 
+def document_eod(model: torch.nn.Module, eod_id: int | None, what: str) -> int | None:
+    """eod_id for a model with model.attention.document_mask (a one-line error naming `what` when it is
+    missing: the eval would otherwise attend across documents), None for any other model."""
+    attn = getattr(getattr(model, "cfg", None), "attention", None)
+    if not getattr(attn, "document_mask", False):
+        return None
+    if eod_id is None:
+        raise ValueError(
+            f"{what}: the model has model.attention.document_mask=true and needs eod_id (the data index's "
+            "end-of-document id) to derive its segment ids"
+        )
+    return int(eod_id)
+
+
 @torch.no_grad()
-def window_losses(model: torch.nn.Module, windows: torch.Tensor, batch: int = 1) -> torch.Tensor:
-    """Per-position next-token loss (nats, fp32) of windows (N, L+1) -> (N, L)."""
+def window_losses(
+    model: torch.nn.Module, windows: torch.Tensor, batch: int = 1, eod_id: int | None = None
+) -> torch.Tensor:
+    """Per-position next-token loss (nats, fp32) of windows (N, L+1) -> (N, L). eod_id: the
+    end-of-document token, required by (and only read for) a document_mask model."""
+    from data_prep.loader import document_segments
+
+    eod = document_eod(model, eod_id, "window_losses")
     out = []
     for s in range(0, windows.shape[0], batch):
         w = windows[s : s + batch]
-        logits = model(w[:, :-1])
+        x = w[:, :-1]
+        logits = model(x) if eod is None else model(x, segment_ids=document_segments(x, eod))
         out.append(F.cross_entropy(logits.float().transpose(1, 2), w[:, 1:], reduction="none").cpu())
     return torch.cat(out)
 
 
 @torch.no_grad()
 def compressed_window_losses(
-    model: torch.nn.Module, windows: torch.Tensor, policy: EvictionPolicy, chunk_size: int
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    policy: EvictionPolicy,
+    chunk_size: int,
+    eod_id: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Per-position loss (N, L) when the windows are read through the evicting KV cache in chunks (every
-    chunk sees only the keys kept so far), and the fraction of the cache kept at the end (mean)."""
+    chunk sees only the keys kept so far), and the fraction of the cache kept at the end (mean). eod_id:
+    as in window_losses."""
+    eod = document_eod(model, eod_id, "compressed_window_losses")
     out, fracs = [], []
     for w in windows:
-        logits, cache = prefill(model, w[None, :-1], policy=policy, chunk_size=chunk_size, all_logits=True)
+        logits, cache = prefill(
+            model, w[None, :-1], policy=policy, chunk_size=chunk_size, all_logits=True, eod_id=eod
+        )
         out.append(F.cross_entropy(logits[0].float(), w[1:], reduction="none").cpu())
         fracs.append(float(cache.fraction_kept()["overall"]))
     return torch.stack(out), sum(fracs) / len(fracs)
@@ -125,6 +158,7 @@ def run_perplexity(
     evict: EvictionPolicy | None = None,
     prefill_chunk: int = 128,
     split: str = "validation",
+    eod_id: int | None = None,
 ) -> dict[str, Any]:
     """Loss by position bucket (with its standard error over windows), perplexity and bits per byte per
     length on one held-out split; writes perplexity.json/.png (split "validation") or
@@ -132,8 +166,10 @@ def run_perplexity(
 
     evict: also read every window through the evicting KV cache (chunks of prefill_chunk tokens) and
     record its loss by position and the cache fraction kept: what compression costs in loss. Ignored
-    for softmax models, which never evict.
+    for softmax models, which never evict. eod_id: the end-of-document token, required by a
+    model.attention.document_mask model (each window's documents as in training).
     """
+    eod = document_eod(model, eod_id, "run_perplexity")
     kinds = {block.attn.kind for block in model.blocks}
     if evict is not None and (not evict.enabled or kinds == {"softmax"}):
         evict = None
@@ -157,7 +193,7 @@ def run_perplexity(
             }
             continue
         windows = torch.from_numpy(stream[: n * (L + 1)].reshape(n, L + 1)).to(device)
-        losses = window_losses(model, windows)  # (n, L)
+        losses = window_losses(model, windows, eod_id=eod)  # (n, L)
         per_pos = losses.mean(0)
         starts = list(range(0, L, bucket))
         by_bucket = [float(per_pos[s : s + bucket].mean()) for s in starts]
@@ -189,7 +225,7 @@ def run_perplexity(
         }
         if evict is not None:
             policy = dataclasses.replace(evict, max_tokens=L)
-            closs, frac = compressed_window_losses(model, windows, policy, prefill_chunk)
+            closs, frac = compressed_window_losses(model, windows, policy, prefill_chunk, eod)
             cpos = closs.mean(0)
             result["lengths"][key].update(
                 {

@@ -4,6 +4,7 @@ The project's whole `model:` section is kept as one dict (`fpa_model`), so the m
 exact fpa_model.config.ModelConfig; the usual transformers names (hidden_size, ...) are copies for tools
 that read them (lm-eval reads max_position_embeddings as the context length). `evict*` and
 `prefill_chunk` set the KV-cache eviction policy of `generate()` (fpa_model.cache.EvictionPolicy).
+`document_eod_id` (document_mask models only) is the end-of-document token that separates packed documents.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class FPAConfig(PretrainedConfig):
         evict_norm_slack: float = 1.25,
         evict_max_tokens: int | None = None,
         prefill_chunk: int | None = None,
+        document_eod_id: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.fpa_model = dict(fpa_model or {})
@@ -34,6 +36,8 @@ class FPAConfig(PretrainedConfig):
         self.evict_norm_slack = evict_norm_slack
         self.evict_max_tokens = evict_max_tokens
         self.prefill_chunk = prefill_chunk
+        # model.attention.document_mask: the end-of-document token documents are cut after (no position_ids)
+        self.document_eod_id = document_eod_id
         m = self.fpa_model
         # Mirrors for tools that look for the standard names; the dict above is what the model is built from.
         self.vocab_size = m.get("vocab_size")

@@ -9,6 +9,13 @@ Cache: the object in `outputs.cache` (`past_key_values` on older transformers) i
 project's KVCache. Eviction follows the config (`evict`, `evict_margin`, ...), or pass your own cache:
 `model.generate(ids, cache=model.new_cache(EvictionPolicy(enabled=True)))`. Padding is not supported
 (an attention mask with zeros is an error): batch prompts of equal length, or one at a time.
+
+Packed documents (a model trained with model.attention.document_mask): each query attends only inside its
+own document. The full forward takes the documents from `position_ids` when given (transformers'
+DataCollatorWithFlattening: every position id 0 starts a document, as transformers' flash-attention
+varlen path cuts them; inside a document the ids must count up by 1), else from the end-of-document token
+(config.document_eod_id; it ends, and belongs to, its document, as in training). With a cache (generate)
+a token after the end-of-document token starts a new document; position_ids resets are then an error.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from fpa_model.attention import Attention, rope_cos_sin
 from fpa_model.cache import EvictionPolicy, KVCache, prefill
 from fpa_model.config import AttentionConfig, ModelConfig
 from fpa_model.model import GPT
+from fpa_model.ops.fpa.segments import document_positions
 
 from .configuration_fpa import FPAConfig
 
@@ -42,6 +50,26 @@ def model_config(d: dict[str, Any]) -> ModelConfig:
 
 def model_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def segments_from_positions(position_ids: Tensor) -> Tensor:
+    """(B, T) segment ids of packed inputs from position_ids (B, T) that restart at 0 at every document
+    (DataCollatorWithFlattening): each 0 after the first token starts a new document. A one-line error
+    unless the ids are 0, 1, 2, ... inside every document (the RoPE positions the model uses)."""
+    starts = position_ids == 0
+    starts[:, 0] = False
+    seg = starts.long().cumsum(-1)
+    if not torch.equal(document_positions(seg), position_ids.long()):
+        raise ValueError(
+            "position_ids must restart at 0 at each packed document and count up by 1 inside it "
+            f"(DataCollatorWithFlattening); got {position_ids[0, :12].tolist()}..."
+        )
+    return seg
+
+
+def _has_resets(position_ids: Tensor | None) -> bool:
+    """A position id 0 after the first token: packed documents."""
+    return position_ids is not None and bool((position_ids[..., 1:] == 0).any())
 
 
 class FPACache(KVCache):
@@ -106,7 +134,32 @@ class FPAForCausalLM(FPAPreTrainedModel, GenerationMixin):
 
     def new_cache(self, policy: EvictionPolicy | None = None) -> FPACache:
         """An empty cache (the config's eviction policy unless one is given)."""
-        return FPACache.for_model(self.model, policy or self.eviction_policy())
+        eod = self.config.document_eod_id if self.model.cfg.attention.document_mask else None
+        return FPACache.for_model(self.model, policy or self.eviction_policy(), eod_id=eod)
+
+    def segment_ids(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor | None:
+        """The documents of a full forward pass (see the module docstring); None without document_mask,
+        where position_ids resets (packed documents the model cannot keep apart) are an error."""
+        if not self.model.cfg.attention.document_mask:
+            if _has_resets(position_ids):
+                raise ValueError(
+                    "position_ids restart inside the sequence (packed documents), but this model was trained "
+                    "without model.attention.document_mask: it would attend across them"
+                )
+            return None
+        if position_ids is not None:
+            if position_ids.shape[-1] != input_ids.shape[-1]:
+                raise ValueError(
+                    f"position_ids {tuple(position_ids.shape)} do not match input_ids "
+                    f"{tuple(input_ids.shape)} in length"
+                )
+            return segments_from_positions(position_ids.expand_as(input_ids))
+        from data_prep.loader import document_segments
+
+        eod = self.config.document_eod_id
+        if eod is None:
+            raise ValueError("a document_mask export needs config.document_eod_id (or position_ids)")
+        return document_segments(input_ids, eod)
 
     def forward(
         self,
@@ -116,10 +169,12 @@ class FPAForCausalLM(FPAPreTrainedModel, GenerationMixin):
         past_key_values: FPACache | None = None,
         use_cache: bool | None = None,
         labels: Tensor | None = None,
+        position_ids: Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Logits (B,T,V) of the project's GPT. With a cache (or use_cache=True) the tokens go through
-        fpa_model.cache.prefill after the tokens the cache has seen; without, one full forward pass."""
+        fpa_model.cache.prefill after the tokens the cache has seen; without, one full forward pass.
+        position_ids: only packed documents' resets are read (see the module docstring)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("FPAForCausalLM does not support padding (attention_mask with zeros)")
         cache = cache if cache is not None else past_key_values
@@ -131,11 +186,17 @@ class FPAForCausalLM(FPAPreTrainedModel, GenerationMixin):
         if cache is None and use_cache:
             cache = self.new_cache()
         if cache is not None:
+            if _has_resets(position_ids):
+                raise ValueError(
+                    "packed position_ids (resets to 0) are served by the full forward (use_cache=False); "
+                    "with a cache a new document starts after the end-of-document token"
+                )
             logits, cache = prefill(
                 self.model, input_ids, cache, all_logits=True, chunk_size=self.config.prefill_chunk
             )
         else:
-            logits = self.model(input_ids)
+            seg = self.segment_ids(input_ids, position_ids)
+            logits = self.model(input_ids) if seg is None else self.model(input_ids, segment_ids=seg)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(

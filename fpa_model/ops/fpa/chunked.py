@@ -71,7 +71,8 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from fpa_model.ops.fpa.naive import KINDS
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
+from fpa_model.ops.fpa.segments import check_segment_ids
 
 # Upper bound on score elements (B*H x tiles x block x block) per batched tile step: keeps each
 # temporary in cache and the workspace independent of T.
@@ -280,15 +281,15 @@ def _two_level(phi: torch.Tensor | None, lq: int) -> bool:
 
 def _augment_q(qs, kind, phi_q, ref):
     """[qs, c, r] with c, r as above; ref (the per-row reference) may be None."""
-    c = qs.new_full(qs.shape[:-1], 0.0 if kind == "softmax" else 1.0)
-    r = _f32(phi_q).clone() if kind == "fox" else qs.new_zeros(qs.shape[:-1])
+    c = qs.new_full(qs.shape[:-1], 0.0 if not kind.has_field else 1.0)
+    r = _f32(phi_q).clone() if kind.query_term else qs.new_zeros(qs.shape[:-1])
     if ref is not None:
         r = r - ref
     return torch.cat([qs, c.unsqueeze(-1), r.unsqueeze(-1)], dim=-1)
 
 
 def _augment_k(k, kind, phi_k):
-    neg_phi = k.new_zeros(k.shape[:-1]) if kind == "softmax" else -_f32(phi_k)
+    neg_phi = -_f32(phi_k) if kind.has_field else k.new_zeros(k.shape[:-1])
     return torch.cat([k, neg_phi.unsqueeze(-1), torch.ones_like(neg_phi).unsqueeze(-1)], dim=-1)
 
 
@@ -314,7 +315,7 @@ def _diag_scores(qa, ka, phi, kind, masks, with_arg, buf=None):
     a _DiagField (square tiles) or the direct lowest-index range argmin (N, Lq, Lk)."""
     big, neg, _ = masks
     buf = _new_buf(buf, qa.shape[0], qa.shape[1], ka.shape[1], qa)
-    if kind != "fpa":
+    if not kind.range_min:
         return torch.baddbmm(neg, qa, ka.transpose(1, 2), out=buf), None
     if _two_level(phi, qa.shape[1]):
         field = _DiagField(phi, with_arg)
@@ -389,7 +390,7 @@ def _route_diag(ds, arg, kind, buf_w=None):
     if isinstance(arg, _DiagField):
         return arg.route(ds, buf_w)
     dphi = ds.sum(dim=-2).neg_()
-    if kind == "fpa":
+    if kind.range_min:
         dphi.scatter_add_(-1, arg.flatten(-2), ds.flatten(-2))
     else:  # fox: + phi_i for the queries (the last Lq positions)
         dphi[..., dphi.shape[-1] - ds.shape[-2] :] += ds.sum(dim=-1)
@@ -399,11 +400,6 @@ def _route_diag(ds, arg, kind, buf_w=None):
 # ----------------------------------------------------------------------------------------------------
 # Public building blocks (any leading dims; flattened to 3-D for the cores)
 # ----------------------------------------------------------------------------------------------------
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -440,17 +436,17 @@ def merge_lse(
 
 
 def _need_field(kind, **named):
-    if kind == "softmax":
+    if not kind.has_field:
         return
     for name, t in named.items():
         if t is None:
-            raise ValueError(f"kind {kind!r} needs {name}")
+            raise ValueError(f"kind {kind.name!r} needs {name}")
 
 
-def cross_field(kind, phi_q, phi_k, m_between):
+def cross_field(kind: str | AttentionKind, phi_q, phi_k, m_between):
     """fpa's field terms of a cross tile, flattened to (N, L): (row = min(P, M), S, argS, P, argP, M (N,)).
     Shared with the Triton blocks, which feed row and S to their kernels."""
-    if kind != "fpa":
+    if not resolve_kind(kind).range_min:
         return (None,) * 6
     if m_between is None:
         raise ValueError("kind 'fpa' needs m_between (+inf for adjacent chunks)")
@@ -469,11 +465,11 @@ def fpa_cross_forward(
     phi_k: torch.Tensor | None,
     m_between: torch.Tensor | None,
     *,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a query chunk against a strictly earlier key chunk; see the module docstring."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     lead = q.shape[:-2]
     qs = _flat(_f32(q), 2) * _scale(q, scale)
@@ -490,11 +486,11 @@ def fpa_diag_forward(
     v: torch.Tensor,
     phi: torch.Tensor | None,
     *,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a chunk against itself, causal; q are the last Lq of the Lk positions."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi=phi)
     lead = q.shape[:-2]
     lq, lk = q.shape[-2], k.shape[-2]
@@ -538,11 +534,11 @@ def fpa_cross_backward(
     *,
     out: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> CrossGrads:
     """Gradients of a cross tile given the full-row lse and out (or delta); see the module docstring."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi_q=phi_q, phi_k=phi_k)
     sc = _scale(q, scale)
     qs, kf, vf, do, va, doa, lse_f, (dq, dk, dv) = _bwd_operands(dout, q, k, v, lse, out, delta, sc)
@@ -550,9 +546,9 @@ def fpa_cross_backward(
     qa = _augment_q(qs, kind, _flat(phi_q, 1), lse_f)
     ka = _augment_k(kf, kind, _flat(phi_k, 1))
     ds = _bwd_tile(_cross_scores(qa, ka, row, s_min), qs, kf, vf, va, do, doa, dq, dk, dv)
-    if kind == "fpa":
+    if kind.range_min:
         dphi_q, dphi_k, dm = _route_cross(ds, row, s_min, arg_s, p_min, arg_p, m)
-    elif kind == "fox":
+    elif kind.query_term:
         dphi_q, dphi_k, dm = ds.sum(dim=-1), ds.sum(dim=-2).neg_(), qs.new_zeros(qs.shape[0])
     else:
         dphi_q, dphi_k, dm = (
@@ -581,11 +577,11 @@ def fpa_diag_backward(
     *,
     out: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-    kind: str,
+    kind: str | AttentionKind,
     scale: float | None = None,
 ) -> DiagGrads:
     """Gradients of a causal diagonal tile given the full-row lse and out (or delta)."""
-    _check_kind(kind)
+    kind = resolve_kind(kind)
     _need_field(kind, phi=phi)
     sc = _scale(q, scale)
     lq, lk = q.shape[-2], k.shape[-2]
@@ -596,7 +592,7 @@ def fpa_diag_backward(
     masks = _causal_masks(lq, lk, qs)
     p, arg = _diag_scores(qa, ka, pf, kind, masks, with_arg=True)
     ds = _bwd_tile(p, qs, kf, vf, va, do, doa, dq, dk, dv, keep=masks[2])
-    dphi = kf.new_zeros(kf.shape[:-1]) if kind == "softmax" else _route_diag(ds, arg, kind)
+    dphi = _route_diag(ds, arg, kind) if kind.has_field else kf.new_zeros(kf.shape[:-1])
     return DiagGrads(
         dq.mul_(sc).reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dphi.reshape(k.shape[:-1])
     )
@@ -713,11 +709,11 @@ class _Blocks:
             self.doa = _augment_tail(self.do, neg_delta)
 
     def set_ref(self, ref: torch.Tensor) -> None:
-        base = self.phi_q if self.kind == "fox" else 0.0
+        base = self.phi_q if self.kind.query_term else 0.0
         self.qa[..., -1] = base - ref
 
 
-def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
+def _forward(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan):
     """Block-major (out (nq, BH, bs, Dv), lse (nq, BH, bs)) in float32."""
     x = _Blocks(q, k, v, phi, kind, scale, plan)
     masks = _causal_masks(plan.bs, plan.bs, x.qs)
@@ -733,7 +729,7 @@ def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
         lse[qi] = l.view_as(lse[qi])
     if plan.n_blk == 1:
         return out, lse
-    field = _Field(x.phi, plan) if kind == "fpa" else None
+    field = _Field(x.phi, plan) if kind.range_min else None
     # Fast path: every cross tile's logits are taken relative to the diagonal's lse (a lower bound of
     # the row's final lse, so nothing that matters underflows) and summed without per-tile rescaling.
     # Should a cross logit exceed it by ~88 (float32 exp overflow) the sums turn inf, and the call is
@@ -756,10 +752,10 @@ def _forward(q, k, v, phi, kind: str, scale: float, plan: _Plan):
     return _forward_exact(x, out, lse, kind, plan, buf)
 
 
-def _forward_exact(x: _Blocks, out, lse, kind: str, plan: _Plan, buf):
+def _forward_exact(x: _Blocks, out, lse, kind: AttentionKind, plan: _Plan, buf):
     """Cross tiles with exact per-tile max-shifts, merged by log-sum-exp (fallback for huge logits)."""
     x.set_ref(torch.zeros_like(lse))
-    field = _Field(x.phi, plan) if kind == "fpa" else None
+    field = _Field(x.phi, plan) if kind.range_min else None
     for d in range(1, plan.n_blk):
         if field is not None:
             field.advance(d, plan)
@@ -776,14 +772,14 @@ def _forward_exact(x: _Blocks, out, lse, kind: str, plan: _Plan, buf):
     return out, lse
 
 
-def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan):
+def _backward(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale: float, plan: _Plan):
     b, h = q.shape[:2]
     x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
     x.set_ref(lse)
     masks = _causal_masks(plan.bs, plan.bs, x.qs)
     buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
     dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
-    dphi = None if kind == "softmax" else torch.zeros_like(x.phi)
+    dphi = torch.zeros_like(x.phi) if kind.has_field else None
     for qi, ki in plan.groups(0):
         n = (qi.stop - qi.start) * plan.bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
@@ -794,7 +790,7 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
         )  # fmt: skip
         if dphi is not None:
             _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
-    field = _Field(x.phi, plan) if kind == "fpa" else None
+    field = _Field(x.phi, plan) if kind.range_min else None
     dphi_m = (
         torch.zeros(plan.bh, plan.n_blk * plan.bs, dtype=x.qs.dtype, device=x.qs.device)
         if field is not None
@@ -813,10 +809,10 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
                 p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
                 _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n],
             )  # fmt: skip
-            if kind == "fox":
+            if kind.query_term:
                 _f(dphi[plan.qb0 :][qi]).add_(ds.sum(dim=-1))
                 _f(dphi[ki]).sub_(ds.sum(dim=-2))
-            elif kind == "fpa":
+            elif kind.range_min:
                 dphi_q, dphi_k, dm = _route_cross(
                     ds, row, s_min, _f(field.arg_s[ki]), _f(field.p_min[qi]), _f(field.arg_p[qi]),
                     _f(field.m_run[qi]), buf_w[:n],
@@ -835,31 +831,211 @@ def _backward(dout, q, k, v, phi, out, lse, kind: str, scale: float, plan: _Plan
     return dq, dk, dv, dphi
 
 
+# ----------------------------------------------------------------------------------------------------
+# Packed documents (segment_ids). Pairs in different documents are masked; key tiles whose keys all lie in
+# earlier documents than every query of the query tile are never visited. Ids are non-decreasing, so for a
+# query block the visible key blocks are one run ending at the diagonal: the diagonals are walked outwards
+# and the walk stops at the first one where no tile of any batch row is visible. On each diagonal only
+# the query blocks with a visible tile are gathered (index tensors instead of slices) and accumulated
+# back with index_add_. The field machinery is the unmasked one: for a visible pair [j, i] lies inside one
+# document, so min(S_j, M, P_i) is already the document's own range minimum.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _segment_blocks(seg: torch.Tensor, plan: _Plan, h: int) -> torch.Tensor:
+    """(B, Tk) ids -> block-major (n_blk, B*H, bs); the back padding gets an id of its own (last + 1)."""
+    if plan.back:
+        seg = torch.cat([seg, (seg[:, -1:] + 1).expand(-1, plan.back)], dim=1)
+    b = seg.shape[0]
+    sb = seg.view(b, plan.n_blk, plan.bs).transpose(0, 1)  # (n_blk, B, bs)
+    return sb[:, :, None].expand(-1, -1, h, -1).reshape(plan.n_blk, b * h, plan.bs).contiguous()
+
+
+def _segment_steps(segb: torch.Tensor, plan: _Plan):
+    """(d, [(query-block index, key-block index) tensors per batched step]) for each diagonal d >= 1 that
+    has a visible tile; stops at the first diagonal without one."""
+    first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
+    for d in range(1, plan.n_blk):
+        lo = max(plan.qb0, d)
+        qb = torch.arange(lo, plan.n_blk, device=segb.device)
+        active = (last[qb - d] >= first[qb]).any(dim=-1)
+        if not bool(active.any()):
+            return
+        qb = qb[active]
+        groups = [(g - plan.qb0, g - d) for g in qb.split(plan.group)]
+        yield d, groups
+
+
+def _same_segment(segq: torch.Tensor, segk: torch.Tensor) -> torch.Tensor:
+    """(N, Lq, Lk) bool: query and key in one document, from (tiles, BH, L) id blocks."""
+    return _f(segq).unsqueeze(-1) == _f(segk).unsqueeze(-2)
+
+
+def _finish_softmax_masked(s: torch.Tensor, v: torch.Tensor, keep: torch.Tensor):
+    """_finish_softmax over the entries `keep` (bool) allows; a row with none gives out 0, lse -inf."""
+    s.masked_fill_(~keep, -_INF)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    _exp_(s.sub_(m), keep.to(s.dtype))
+    den = s.sum(dim=-1, keepdim=True)
+    out = torch.bmm(s, v).div_(den.clamp_min(torch.finfo(s.dtype).tiny))
+    return out, (m + den.log()).squeeze(-1)
+
+
+def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, segb: torch.Tensor):
+    """_forward with documents: block-major (out, lse) in float32."""
+    x = _Blocks(q, k, v, phi, kind, scale, plan)
+    masks = _causal_masks(plan.bs, plan.bs, x.qs)
+    causal = masks[2].bool()
+    segq = segb[plan.qb0 :]
+    buf = plan.workspace(x.qs)
+    out = torch.empty(*x.qs.shape[:-1], x.v.shape[-1], dtype=x.qs.dtype, device=x.qs.device)
+    lse = torch.empty(x.qs.shape[:-1], dtype=x.qs.dtype, device=x.qs.device)
+    for qi, ki in plan.groups(0):
+        n = (qi.stop - qi.start) * plan.bh
+        phi_d = None if x.phi is None else _f(x.phi[ki])
+        s, _ = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[:n])
+        keep = _same_segment(segq[qi], segb[ki]) & causal  # never empty: a query sees its own key
+        s.masked_fill_(~keep, -_INF)
+        o, l = _finish_softmax(s, _f(x.v[ki]), keep.to(s.dtype))
+        out[qi] = o.view_as(out[qi])
+        lse[qi] = l.view_as(lse[qi])
+    steps = list(_segment_steps(segb, plan))
+    if not steps:
+        return out, lse
+    bh, bs = plan.bh, plan.bs
+    x.set_ref(lse)  # the fast path of _forward: cross logits relative to the diagonal's lse
+    acc, den = out.clone(), torch.ones_like(lse)
+    field = _Field(x.phi, plan) if kind.range_min else None
+    for d, groups in steps:
+        if field is not None:
+            field.advance(d, plan)
+        for qi, ki in groups:
+            row = s_min = None
+            if field is not None:
+                row, s_min = field.row(qi), _f(field.s_min[ki])
+            n = len(qi) * bh
+            s = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf[:n])
+            _exp_(s).masked_fill_(~_same_segment(segq[qi], segb[ki]), 0.0)
+            den.index_add_(0, qi, s.sum(dim=-1).view(-1, bh, bs))
+            acc.index_add_(0, qi, torch.bmm(s, _f(x.v[ki])).view(-1, bh, bs, acc.shape[-1]))
+    if bool(torch.isfinite(den).all()) and bool(torch.isfinite(acc.sum())):
+        return acc.div_(den.unsqueeze(-1)), lse.add_(den.log_())
+    # Exact per-tile max-shifts and log-sum-exp merges (huge logits), as _forward_exact.
+    x.set_ref(torch.zeros_like(lse))
+    field = _Field(x.phi, plan) if kind.range_min else None
+    for d, groups in steps:
+        if field is not None:
+            field.advance(d, plan)
+        for qi, ki in groups:
+            row = s_min = None
+            if field is not None:
+                row, s_min = field.row(qi), _f(field.s_min[ki])
+            n = len(qi) * bh
+            s = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf[:n])
+            o_t, l_t = _finish_softmax_masked(s, _f(x.v[ki]), _same_segment(segq[qi], segb[ki]))
+            o_m, l_m = merge_lse(out[qi], lse[qi], o_t.view_as(out[qi]), l_t.view_as(lse[qi]))
+            out[qi] = o_m
+            lse[qi] = l_m
+    return out, lse
+
+
+def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, plan: _Plan, segb):
+    """_backward with documents (the tiles and masks of _forward_segments)."""
+    b, h = q.shape[:2]
+    bh, bs = plan.bh, plan.bs
+    x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
+    x.set_ref(lse)
+    masks = _causal_masks(bs, bs, x.qs)
+    causal = masks[2].bool()
+    segq = segb[plan.qb0 :]
+    buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
+    dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
+    dphi = torch.zeros_like(x.phi) if kind.has_field else None
+    for qi, ki in plan.groups(0):
+        n = (qi.stop - qi.start) * bh
+        phi_d = None if x.phi is None else _f(x.phi[ki])
+        p, arg = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, True, buf_p[:n])
+        keep = _same_segment(segq[qi], segb[ki]) & causal
+        p.masked_fill_(~keep, -_INF)
+        ds = _bwd_tile(
+            p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
+            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n], keep=keep.to(p.dtype),
+        )  # fmt: skip
+        if dphi is not None:
+            _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
+    field = _Field(x.phi, plan) if kind.range_min else None
+    dphi_m = x.qs.new_zeros(bh, plan.n_blk * bs) if field is not None else None
+    for d, groups in _segment_steps(segb, plan):
+        if field is not None:
+            field.advance(d, plan)
+        for qi, ki in groups:
+            n = len(qi) * bh
+            row = s_min = None
+            if field is not None:
+                row, s_min = field.row(qi), _f(field.s_min[ki])
+            p = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf_p[:n])
+            keep = _same_segment(segq[qi], segb[ki])
+            p.masked_fill_(~keep, -_INF)
+            qs_t, k_t = _f(x.qs[qi]), _f(x.k[ki])
+            dq_t, dk_t, dv_t = torch.zeros_like(qs_t), torch.zeros_like(k_t), torch.zeros_like(_f(x.v[ki]))
+            ds = _bwd_tile(
+                p, qs_t, k_t, _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]), dq_t, dk_t, dv_t,
+                buf_ds[:n], keep=keep.to(p.dtype),
+            )  # fmt: skip
+            dq.index_add_(0, qi, dq_t.view(-1, *dq.shape[1:]))
+            dk.index_add_(0, ki, dk_t.view(-1, *dk.shape[1:]))
+            dv.index_add_(0, ki, dv_t.view(-1, *dv.shape[1:]))
+            if kind.query_term:
+                dphi[plan.qb0 :].index_add_(0, qi, ds.sum(dim=-1).view(-1, bh, bs))
+                dphi.index_add_(0, ki, ds.sum(dim=-2).neg_().view(-1, bh, bs))
+            elif kind.range_min:
+                dphi_q, dphi_k, dm = _route_cross(
+                    ds, row, s_min, _f(field.arg_s[ki]), _f(field.p_min[qi]), _f(field.arg_p[qi]),
+                    _f(field.m_run[qi]), buf_w[:n],
+                )  # fmt: skip
+                dphi[plan.qb0 :].index_add_(0, qi, dphi_q.view(-1, bh, bs))
+                dphi.index_add_(0, ki, dphi_k.view(-1, bh, bs))
+                dphi_m.scatter_add_(-1, field.m_arg[qi].transpose(0, 1), dm.view(-1, bh).transpose(0, 1))
+    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
+    dk = _from_blocks(dk, b, h, 0, plan.tk)
+    dv = _from_blocks(dv, b, h, 0, plan.tk)
+    if dphi is not None:
+        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
+        if dphi_m is not None:
+            dphi = dphi + dphi_m[:, : plan.tk].reshape(b, h, plan.tk)
+    return dq, dk, dv, dphi
+
+
 class _ChunkedFPAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, phi, kind, scale, block_size):
+    def forward(ctx, q, k, v, phi, kind, scale, block_size, segment_ids):
         b, h = q.shape[:2]
         # A block longer than the sequence would only add padding.
         plan = _Plan(q.shape[-2], k.shape[-2], min(block_size, k.shape[-2]), b * h)
-        out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
+        segb = None if segment_ids is None else _segment_blocks(segment_ids, plan, h)
+        if segb is None:
+            out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
+        else:
+            out_b, lse = _forward_segments(q, k, v, phi, kind, scale, plan, segb)
         out = _from_blocks(out_b, b, h, plan.front, plan.tq).to(q.dtype)
-        ctx.save_for_backward(q, k, v, phi, out, lse)
+        ctx.save_for_backward(q, k, v, phi, out, lse, segb)
         ctx.kind, ctx.scale, ctx.plan = kind, scale, plan
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, phi, out, lse = ctx.saved_tensors
-        dq, dk, dv, dphi = _backward(dout, q, k, v, phi, out, lse, ctx.kind, ctx.scale, ctx.plan)
+        q, k, v, phi, out, lse, segb = ctx.saved_tensors
+        args = (dout, q, k, v, phi, out, lse, ctx.kind, ctx.scale, ctx.plan)
+        dq, dk, dv, dphi = _backward(*args) if segb is None else _backward_segments(*args, segb)
         dphi_out = None
         if phi is not None and ctx.needs_input_grad[3]:
             dphi_out = dphi.to(phi.dtype) if dphi is not None else torch.zeros_like(phi)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dphi_out, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dphi_out, None, None, None, None
 
 
-def _validate(q, k, v, phi, kind, block_size):
-    _check_kind(kind)
+def _validate(q, k, v, phi, kind: AttentionKind, block_size):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -875,8 +1051,8 @@ def _validate(q, k, v, phi, kind, block_size):
         )
     if q.shape[-2] == 0:
         raise ValueError("empty query sequence")
-    if phi is None and kind != "softmax":
-        raise ValueError(f"kind {kind!r} needs a field phi")
+    if phi is None and kind.has_field:
+        raise ValueError(f"kind {kind.name!r} needs a field phi")
     if phi is not None and phi.shape != k.shape[:3]:
         raise ValueError(f"phi must be (B, H, Tk) = {tuple(k.shape[:3])}; got {tuple(phi.shape)}")
     if not all(t.is_floating_point() for t in (q, k, v)):
@@ -891,13 +1067,17 @@ def chunked_fpa_attention(
     v: torch.Tensor,
     phi: torch.Tensor | None = None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     scale: float | None = None,
     block_size: int = 64,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal FPA/FoX/softmax attention with O(T) memory; same contract as fpa_attention_naive."""
+    """Causal FPA/FoX/softmax attention with O(T) memory; same contract as fpa_attention_naive (segment_ids
+    (B, Tk): attend only inside each query's document; tiles wholly in earlier documents are skipped)."""
+    kind = resolve_kind(kind)
     _validate(q, k, v, phi, kind, block_size)
-    return _ChunkedFPAFunction.apply(q, k, v, phi, kind, _scale(q, scale), block_size)
+    seg = None if segment_ids is None else check_segment_ids(segment_ids, k)
+    return _ChunkedFPAFunction.apply(q, k, v, phi, kind, _scale(q, scale), block_size, seg)
 
 
 __all__ = [

@@ -7,6 +7,9 @@ Kinds (docs/design.md, "The first-passage bias"):
 - "fpa":     b_ij = min_{j <= t <= i} phi_t - phi_j          (range-min, "first passage")
 - "fox":     b_ij = phi_i - phi_j                           (Forgetting Transformer; phi = cumsum log f)
 - "softmax": b_ij = 0
+
+Documents (`segment_ids`, (B, Tk) non-decreasing ids): key j is visible to query i only when both lie in
+the same document; other pairs get -inf like the future.
 """
 
 from __future__ import annotations
@@ -15,13 +18,20 @@ import math
 
 import torch
 
-from fpa_model.config import ATTENTION_KINDS as KINDS
+from fpa_model.config import ATTENTION_KINDS as KINDS  # noqa: F401  (re-exported: the kernels import it)
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
+from fpa_model.ops.fpa.segments import check_segment_ids
 
 
-def fpa_bias_naive(phi: torch.Tensor, kind: str = "fpa", tq: int | None = None) -> torch.Tensor:
-    """The (B, H, Tq, Tk) additive bias b_ij, with -inf above the causal diagonal."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
+def fpa_bias_naive(
+    phi: torch.Tensor,
+    kind: str | AttentionKind = "fpa",
+    tq: int | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The (B, H, Tq, Tk) additive bias b_ij, with -inf above the causal diagonal and, with segment_ids
+    (B, Tk), wherever query and key lie in different documents."""
+    spec = resolve_kind(kind)
     tk = phi.shape[-1]
     tq = tk if tq is None else tq
     offset = tk - tq
@@ -29,9 +39,9 @@ def fpa_bias_naive(phi: torch.Tensor, kind: str = "fpa", tq: int | None = None) 
     qpos = torch.arange(tq, device=phi.device) + offset
     kpos = torch.arange(tk, device=phi.device)
     causal = kpos[None, :] <= qpos[:, None]  # (Tq, Tk)
-    if kind == "softmax":
+    if not spec.has_field:
         bias = torch.zeros(*phi.shape[:-1], tq, tk, device=phi.device)
-    elif kind == "fox":
+    elif spec.query_term:
         bias = phi[..., offset:, None] - phi[..., None, :]
     else:
         # range_min[i, j] = min_{j <= t <= i} phi_t. Built as a reverse running min over j for each i:
@@ -45,7 +55,13 @@ def fpa_bias_naive(phi: torch.Tensor, kind: str = "fpa", tq: int | None = None) 
             rows.append(torch.cat([suffix_min, pad], dim=-1))
         range_min = torch.stack(rows, dim=-2)
         bias = range_min - phi[..., None, :]
-    return bias.masked_fill(~causal, float("-inf"))
+    visible = causal
+    if segment_ids is not None:
+        seg = check_segment_ids(segment_ids, phi.unsqueeze(-1))
+        # Ids are non-decreasing, so seg_i == seg_j puts all of [j, i] inside one document: the range
+        # minimum above is then the document's own, the bias the one it has when the document stands alone.
+        visible = causal & (seg[:, None, offset:, None] == seg[:, None, None, :])  # (B, 1, Tq, Tk)
+    return bias.masked_fill(~visible, float("-inf"))
 
 
 def fpa_attention_naive(
@@ -54,17 +70,20 @@ def fpa_attention_naive(
     v: torch.Tensor,
     phi: torch.Tensor | None = None,
     *,
-    kind: str = "fpa",
+    kind: str | AttentionKind = "fpa",
     scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax_j(scale * q_i . k_j + b_ij) . v, computed in fp32, returned in q's dtype."""
+    """softmax_j(scale * q_i . k_j + b_ij) . v, computed in fp32, returned in q's dtype; segment_ids (B, Tk):
+    attend only inside each query's document."""
+    spec = resolve_kind(kind)
     tq, d = q.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if phi is None:
-        if kind != "softmax":
-            raise ValueError(f"kind {kind!r} needs a field phi")
+        if spec.has_field:
+            raise ValueError(f"kind {spec.name!r} needs a field phi")
         phi = q.new_zeros(*k.shape[:-1])
     logits = scale * torch.einsum("bhid,bhjd->bhij", q.float(), k.float())
-    logits = logits + fpa_bias_naive(phi, kind, tq)
+    logits = logits + fpa_bias_naive(phi, spec, tq, segment_ids)
     p = torch.softmax(logits, dim=-1)
     return torch.einsum("bhij,bhjd->bhid", p, v.float()).to(q.dtype)
