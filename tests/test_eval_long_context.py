@@ -65,7 +65,7 @@ def test_grid_scores_exact_answers_from_an_oracle(
     short = 4 * SEQ_LEN
     seen: dict[str, set[int]] = {}
 
-    def oracle(model, idx, max_new, *, policy, chunk_size):  # noqa: ANN001
+    def oracle(model, idx, max_new, *, policy, chunk_size, eod_id=None):  # noqa: ANN001
         outs = []
         for row in idx.tolist():
             text = tok.decode(row)
