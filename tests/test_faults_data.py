@@ -248,7 +248,8 @@ def test_validation_problems_are_found_before_training_starts(tmp_path: Path) ->
         f"name: r\nruns_dir: {tmp_path / 'runs'}\n"
         "model: {n_layer: 1, n_head: 2, d_model: 32, max_seq_len: 32}\n"
         f"data: {{out_dir: {data}, seq_len: 16, train: {{type: jsonl, paths: [{tmp_path / 'c.jsonl'}]}},\n"
-        "  val_fraction: 0.0, tokenizer: {vocab_size: 300}, sequences_per_member: 4, sequences_per_shard: 16}\n"
+        "  val_fraction: 0.0, tokenizer: {vocab_size: 300},\n"
+        "  sequences_per_member: 4, sequences_per_shard: 16}\n"
         "train: {micro_batch: 2, max_steps: 4, warmup_steps: 1, val_every: 2, checkpoint: {every: 2}}\n"
         "logging: {wandb_mode: disabled, progress: false}\n"
     )
