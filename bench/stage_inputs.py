@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.upstream import check_export
 
     args = parse_args(argv)
+    torch.set_num_threads(1)  # before provenance, which records the thread count
     prov = provenance(None if argv is None else ["bench/stage_inputs.py", *argv])
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(name="bench", runs_dir=tmp)
         cfg.model = ModelConfig(vocab_size=args.vocab, n_layer=args.n_layer, n_head=12, d_model=args.d_model)
