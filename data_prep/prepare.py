@@ -141,11 +141,6 @@ def data_problem(cfg: DataConfig, out_dir: Path) -> str | None:
     return None
 
 
-def data_is_current(cfg: DataConfig, out_dir: Path) -> bool:
-    """True when out_dir holds a complete prepared directory made from this config (sources unchanged)."""
-    return data_problem(cfg, Path(out_dir)) is None
-
-
 def _config_diff(theirs: dict[str, Any], cfg: DataConfig) -> str:
     """The dotted keys where a recorded content config differs from cfg's, e.g. 'tokenizer.vocab_size'."""
 

@@ -15,7 +15,7 @@ import pytest
 from data_prep.config import DataConfig, SourceConfig, TokenizerConfig
 from data_prep.errors import DataError
 from data_prep.index import load_index
-from data_prep.prepare import data_is_current, prepare_data
+from data_prep.prepare import data_problem, prepare_data
 from data_prep.shards import SplitWriter, pick_dtype, read_shard
 from data_prep.tokenizer import load_tokenizer
 
@@ -220,9 +220,9 @@ def test_separate_validation_source_and_current_check(tmp_path: Path, prepared) 
     summary = prepare_data(cfg, out, progress=False)
     assert summary["splits"]["train"]["documents"] == 60
     assert summary["splits"]["validation"]["documents"] == 30
-    assert data_is_current(cfg, out)
-    assert not data_is_current(small_cfg(Path(cfg.train.paths[0]), seq_len=32), out)
-    assert not data_is_current(cfg, tmp_path / "nowhere")
+    assert data_problem(cfg, out) is None
+    assert "another content config" in data_problem(small_cfg(Path(cfg.train.paths[0]), seq_len=32), out)
+    assert data_problem(cfg, tmp_path / "nowhere") is not None
 
 
 def test_extra_validation_splits(tmp_path: Path) -> None:
