@@ -348,7 +348,8 @@ def test_bad_tiles_give_clear_error(tiles, match):
 def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     """The interpreter does not check what the GPU compiler checks (constexpr shapes, layouts, loop-carried
     types, register spills): compile one GPU tile of every kernel for sm_90 and sm_80 with the bundled
-    ptxas (bench/kernel_resources.py, which tabulates every config, in its quick mode)."""
+    ptxas (bench/kernel_resources.py, which tabulates every config, in its quick mode), the causal kernels
+    with and without segment ids."""
     import json
     import os
     import subprocess
@@ -368,8 +369,11 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     kernels = {row["kernel"] for row in rows}
     assert kernels == {*tk.KERNEL_NAMES, "levels", "route"}, kernels
     assert {row["arch"] for row in rows} == {"sm_90", "sm_80"}
-    for row in rows:  # --quick compiles the head-dim-64 lists' first entries: none may spill
-        assert 0 < row["registers"] <= 255 and row["spill_bytes"] == 0, row
+    assert {row["kernel"] for row in rows if row["segmented"]} == {"fwd", "dq", "dkv"}
+    for row in rows:  # --quick compiles the head-dim-64 lists' first entries: none may spill unsegmented
+        assert 0 < row["registers"] <= 255, row
+        # With segment ids the fwd 128 x 64 tile spills a little on sm_80 (docs/kernel_resources.md).
+        assert row["segmented"] or row["spill_bytes"] == 0, row
 
 
 def test_bench_skips_cleanly_without_cuda():
