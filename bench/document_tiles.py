@@ -30,6 +30,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
+from bench.documents import packed_segments  # noqa: E402
 from bench.results import (  # noqa: E402
     finish_provenance,
     markdown_table,
@@ -40,18 +41,6 @@ from bench.results import (  # noqa: E402
 from fpa_model.ops.fpa import triton_kernel as tk  # noqa: E402
 
 KERNELS = tuple(tk.COUNTER_SLOTS)  # fwd, dq, dkv
-
-
-def packed_segments(t: int, mean: float, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """(T,) document ids of one packed window and the documents' lengths inside it."""
-    g = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < t:
-        lengths.append(max(1, round(float(torch.empty(1).exponential_(1 / mean, generator=g)))))
-    lengths[0] -= int(torch.randint(0, lengths[0], (1,), generator=g))  # the window starts inside it
-    lengths[-1] -= sum(lengths) - t  # ... and ends inside the last one
-    lengths = [n for n in lengths if n > 0]
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), lengths
 
 
 def count(t: int, tiles: dict, seg: torch.Tensor | None, device: str) -> list[int]:
