@@ -185,7 +185,7 @@ def result_markdown(data: dict, prov: dict) -> str:
             "interleaved runs per contender after a warm-up, wall and process CPU time. *Unmasked*: the same "
             "call without segment ids; *SDPA mask*: scaled_dot_product_attention with the equivalent "
             f"boolean (T, T) mask ({res['sdpa-mask']['wall_ms']:.0f} ms; is_causal without the documents: "
-            f"{res['sdpa-causal']['wall_ms']:.0f} ms). flex_attention: {data['flex']}.",
+            f"{res['sdpa-causal']['wall_ms']:.0f} ms). flex_attention: {data['flex'].rstrip('.')}.",
             "",
             markdown_table(header, table),
             "",
