@@ -120,25 +120,34 @@ def check_correctness(bs: int) -> None:
     print("correctness: chunked == naive (fpa, fox, softmax; outputs and gradients) at T=96")
 
 
+def time_cases(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, dict]:
+    """Median wall and process CPU time (ms) of each closure: one warm-up run each, then `repeats` rounds
+    running every case once in turn (interleaved, so a load change hits all contenders alike)."""
+    for run in cases.values():
+        run()  # warm-up
+    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in cases}
+    for _ in range(repeats):
+        for name, run in cases.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            run()
+            samples[name].append((time.perf_counter() - w0, time.process_time() - c0))
+    return {
+        name: {
+            "wall_ms": 1e3 * statistics.median(x[0] for x in s),
+            "cpu_ms": 1e3 * statistics.median(x[1] for x in s),
+            "repeats": repeats,
+        }
+        for name, s in samples.items()
+    }
+
+
 def time_all(lengths, h, d, bs, repeats) -> dict:
     results: dict = {}
     for t in lengths:
         cases = {name: make_case(name, t, h, d, bs) for name in CONTENDERS}
-        for run in cases.values():
-            run()  # warm-up
         reps = repeats if t <= 4096 else min(repeats, 3)
-        samples: dict[str, list[tuple[float, float]]] = {n: [] for n in cases}
-        for _ in range(reps):
-            for name, run in cases.items():
-                w0, c0 = time.perf_counter(), time.process_time()
-                run()
-                samples[name].append((time.perf_counter() - w0, time.process_time() - c0))
-        for name, s in samples.items():
-            results[(name, t)] = {
-                "wall_ms": 1e3 * statistics.median(x[0] for x in s),
-                "cpu_ms": 1e3 * statistics.median(x[1] for x in s),
-                "repeats": reps,
-            }
+        for name, r in time_cases(cases, reps).items():
+            results[(name, t)] = r
         print(f"  timed T={t} ({reps} repeats)", flush=True)
     return results
 

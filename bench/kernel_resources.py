@@ -8,7 +8,9 @@ without a GPU (Triton's bundled ptxas, then cuobjdump -res-usage on the cubin).
     python bench/kernel_resources.py --md docs/kernel_resources.md --from docs/results/kernel_resources/*.json
 
 Compiled with bf16 inputs and kind fpa (the heaviest: the near-tile levels); the ring's cross kernels write
-fp32 outputs as the ring does. A config with spill bytes > 0 should leave GPU_TILES.
+fp32 outputs as the ring does. The causal kernels (fwd, dq, dkv) compile twice: without and with segment ids
+(SEGMENTED, the document mask; the tile counter COUNT stays off), one row each (`segmented`).
+A config with spill bytes > 0 should leave GPU_TILES.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ARCHS = {"sm_90": 90, "sm_80": 80}
 LOWP_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 CROSS_FP32_OUT = {"O", "DQ", "DK", "DV"}
 INT_ARGS = {"H", "T", "D", "NLEV", "T_BUCKET", "LQ", "LK", "LQ_BUCKET", "LK_BUCKET"}
+INT_PTRS = {"SEG", "DOC_START", "DOC_END", "CNT"}  # the document tables and the tile counter
 
 
 def _signature(kernel, name: str, consts: dict) -> dict:
@@ -51,6 +54,8 @@ def _signature(kernel, name: str, consts: dict) -> dict:
             sig[arg] = "*bf16"
         elif arg.endswith("scale"):
             sig[arg] = "fp32"
+        elif arg in INT_PTRS:
+            sig[arg] = "*i32"
         elif arg in INT_ARGS or arg.startswith("stride"):
             sig[arg] = "i32"
         else:
@@ -98,12 +103,23 @@ def _compile(fn, name: str, consts: dict, arch: str, num_warps: int, num_stages:
     }
 
 
-def compile_one(name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Path) -> dict:
-    """One autotune entry of an attention kernel (bf16, kind fpa)."""
+def compile_one(
+    name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Path, segmented: bool = False
+) -> dict:
+    """One autotune entry of an attention kernel (bf16, kind fpa; segmented: with the document switch)."""
     raw = tk._KERNELS[name][0]
     consts = {"KIND": 0, "HEAD_DIM": head_dim, "LOWP": True, "DOT_PREC": "tf32", **tk._meta(tile, raw)}
+    if has_segments(name):  # the causal kernels: the tile counter stays off (its default)
+        consts.update(SEGMENTED=segmented, COUNT=False)
+    elif segmented:
+        raise ValueError(f"kernel {name!r} takes no segment ids")
     row = _compile(raw, name, consts, arch, tile.num_warps, tile.num_stages, workdir)
-    return {**row, "head_dim": head_dim, "tile": f"{tile.block_m}x{tile.block_n}"}
+    return {**row, "head_dim": head_dim, "tile": f"{tile.block_m}x{tile.block_n}", "segmented": segmented}
+
+
+def has_segments(name: str) -> bool:
+    """Whether kernel `name` has the SEGMENTED switch (the causal kernels; not the ring's cross kernels)."""
+    return "SEGMENTED" in tk._KERNELS[name][0].arg_names
 
 
 # The field-level scans (one launch each per call, default launch options): name -> kernel.
@@ -112,7 +128,7 @@ SCANS = {"levels": tk._levels_kernel, "route": tk._route_kernel}
 
 def compile_scan(name: str, arch: str, workdir: Path) -> dict:
     row = _compile(SCANS[name], name, {"BLOCK": tk.SCAN_BLOCK}, arch, 4, 3, workdir)
-    return {**row, "head_dim": "-", "tile": str(tk.SCAN_BLOCK)}
+    return {**row, "head_dim": "-", "tile": str(tk.SCAN_BLOCK), "segmented": False}
 
 
 # Not pipeline.provenance.cpu_model: this script also runs in the Triton-3.6 test venv, which has only
@@ -134,7 +150,8 @@ def write_md(path: Path, runs: list[dict]) -> None:
         "",
         "Compiled with Triton's bundled ptxas (no GPU) by `bench/kernel_resources.py`: bf16 inputs, "
         "kind fpa, every entry of `GPU_TILES_BY_DIM` at the head dim whose list holds it "
-        "(64: D <= 64, 128: D <= 128). "
+        "(64: D <= 64, 128: D <= 128); the causal kernels (fwd, dq, dkv) with and without segment ids "
+        "(column seg: the document mask, `SEGMENTED`). "
         "Registers per thread (the limit is 255), spill = local-memory stack bytes per thread, shared = "
         "dynamic shared memory per program.",
         "",
@@ -142,22 +159,24 @@ def write_md(path: Path, runs: list[dict]) -> None:
     for run in runs:
         m = run["meta"]
         n_spill = sum(r["spill_bytes"] > 0 for r in run["rows"])
+        n_seg = sum(bool(r.get("segmented")) for r in run["rows"])
+        seg_spill = sum(r["spill_bytes"] > 0 for r in run["rows"] if r.get("segmented"))
         lines.append(
             f"- Triton {m['triton']}: `{m['command']}` at commit `{m['commit'][:10]}` on "
-            f"{m['machine']['cpu']} (Python {m['machine']['python']}): {len(run['rows'])} configs, "
-            f"{n_spill} spill"
+            f"{m['machine']['cpu']} (Python {m['machine']['python']}): {len(run['rows'])} configs "
+            f"({n_seg} with segment ids), {n_spill} spill ({seg_spill} with segment ids)"
         )
     lines += [
         "",
-        "| triton | kernel | tile (M x N) | warps | stages | arch | head dim | registers | spill B "
+        "| triton | kernel | tile (M x N) | warps | stages | arch | head dim | seg | registers | spill B "
         "| shared B |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines += [
             f"| {run['meta']['triton']} | {r['kernel']} | {r['tile']} | {r['num_warps']} | "
-            f"{r['num_stages']} | {r['arch']} | {r['head_dim']} | {r['registers']} | "
-            f"{r['spill_bytes']} | {r['shared_bytes']} |"
+            f"{r['num_stages']} | {r['arch']} | {r['head_dim']} | {'yes' if r.get('segmented') else '-'} | "
+            f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"
             for r in run["rows"]
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,15 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         for d in head_dims:
             tiles = tk.GPU_TILES_BY_DIM[name][d]
             for tile in tiles[:1] if args.quick else tiles:
-                for arch in ARCHS:
-                    row = compile_one(name, tile, arch, d, workdir)
-                    rows.append(row)
-                    print(
-                        f"{name:10s} {row['tile']:>8s} w{tile.num_warps} s{tile.num_stages} {arch} d{d}: "
-                        f"{row['registers']} regs, spill {row['spill_bytes']} B, "
-                        f"smem {row['shared_bytes']} B, {row['compile_s']} s",
-                        flush=True,
-                    )
+                for segmented in (False, True) if has_segments(name) else (False,):
+                    for arch in ARCHS:
+                        row = compile_one(name, tile, arch, d, workdir, segmented)
+                        rows.append(row)
+                        print(
+                            f"{name:10s} {row['tile']:>8s} w{tile.num_warps} s{tile.num_stages} {arch} d{d}"
+                            f"{' seg' if segmented else ''}: {row['registers']} regs, "
+                            f"spill {row['spill_bytes']} B, smem {row['shared_bytes']} B, "
+                            f"{row['compile_s']} s",
+                            flush=True,
+                        )
     for name in SCANS:
         for arch in ARCHS:
             row = compile_scan(name, arch, workdir)

@@ -205,3 +205,42 @@ def test_the_triton_kernel_refuses_segment_ids_and_auto_masks_on_the_chunked_pat
     want = fpa_attention_naive(q, k, v, phi, kind="fpa", segment_ids=seg)
     got = fpa_attention(q, k, v, phi, kind="fpa", impl="auto", block_size=8, segment_ids=seg)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scale", [None, 40.0], ids=["fast", "exact"])
+def test_chunked_documents_mask_only_partial_tiles(monkeypatch, kind, scale):
+    """Documents spanning several tiles: the tiles inside one document skip the mask (grouped apart from
+    the partial ones, here one tile per step), and outputs and gradients still match the oracle, on the
+    fast path (outputs and gradients) and on the exact one (scale 40: huge cross logits; outputs)."""
+    import fpa_model.ops.fpa.chunked as ch
+
+    monkeypatch.setattr(ch, "_TILE_ELEMS", 1)  # one tile per batched step
+    masked = []
+    real = ch._same_segment
+    monkeypatch.setattr(
+        ch, "_same_segment", lambda a, b: masked.append(a.shape[0] * a.shape[1]) or real(a, b)
+    )
+    seg = torch.stack([segments_of([37, 50, 3, 38]), segments_of([64, 40, 24])])
+    q, k, v, u, dout = _inputs(2, 2, 128, 8, seed=4, kind=kind)
+    want = _run(
+        lambda q, k, v, p: fpa_attention_naive(q, k, v, p, kind=kind, scale=scale, segment_ids=seg),
+        q, k, v, u, dout, kind,
+    )  # fmt: skip
+    got = _run(
+        lambda q, k, v, p: chunked_fpa_attention(
+            q, k, v, p, kind=kind, scale=scale, block_size=16, segment_ids=seg
+        ),
+        q, k, v, u, dout, kind,
+    )  # fmt: skip
+    if scale is None:
+        _close(got, want, atol=3e-5, rtol=3e-5)
+    else:  # near one-hot rows amplify rounding in the gradients (so in the unmasked path too): outputs only
+        torch.testing.assert_close(got[0], want[0], atol=3e-5, rtol=3e-5)
+    plan = ch._Plan(128, 128, 16, 4)
+    steps = [g for _, groups in ch._segment_steps(ch._segment_blocks(seg, plan, 2), plan) for g in groups]
+    assert {partial for *_, partial in steps} == {False, True}  # both kinds of cross tile
+    cut = int(ch._diag_partial(ch._segment_blocks(seg, plan, 2)).sum())
+    want_masks = 2 * (cut + sum(partial for *_, partial in steps))  # forward + backward
+    assert len(masked) == (want_masks if scale is None else want_masks + sum(p for *_, p in steps))
+    assert want_masks < 2 * (plan.n_blk + len(steps))  # fewer than the tiles visited

@@ -837,8 +837,11 @@ def _backward(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale: float, p
 # query block the visible key blocks are one run ending at the diagonal: the diagonals are walked outwards
 # and the walk stops at the first one where no tile of any batch row is visible. On each diagonal only
 # the query blocks with a visible tile are gathered (index tensors instead of slices) and accumulated
-# back with index_add_. The field machinery is the unmasked one: for a visible pair [j, i] lies inside one
-# document, so min(S_j, M, P_i) is already the document's own range minimum.
+# back with index_add_. Tiles whose queries and keys all lie in one document (in every batch row) need no
+# mask: each diagonal's tiles are grouped full ones first, then the partial ones, and only the partial
+# groups build and apply the document mask (likewise the diagonal groups holding a document boundary).
+# The field machinery is the unmasked one: for a visible pair [j, i] lies inside one document, so
+# min(S_j, M, P_i) is already the document's own range minimum.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -852,8 +855,9 @@ def _segment_blocks(seg: torch.Tensor, plan: _Plan, h: int) -> torch.Tensor:
 
 
 def _segment_steps(segb: torch.Tensor, plan: _Plan):
-    """(d, [(query-block index, key-block index) tensors per batched step]) for each diagonal d >= 1 that
-    has a visible tile; stops at the first diagonal without one."""
+    """(d, [(query-block index, key-block index, partial) per batched step]) for each diagonal d >= 1 that
+    has a visible tile; stops at the first diagonal without one. partial: some pair of the step's tiles
+    lies in two documents (the mask is needed); the steps of wholly visible tiles come first."""
     first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
     for d in range(1, plan.n_blk):
         lo = max(plan.qb0, d)
@@ -862,8 +866,19 @@ def _segment_steps(segb: torch.Tensor, plan: _Plan):
         if not bool(active.any()):
             return
         qb = qb[active]
-        groups = [(g - plan.qb0, g - d) for g in qb.split(plan.group)]
+        full = (first[qb - d] == last[qb]).all(dim=-1)  # ids non-decreasing: one document throughout
+        groups = [
+            (g - plan.qb0, g - d, partial)
+            for partial, blocks in ((False, qb[full]), (True, qb[~full]))
+            for g in blocks.split(plan.group)
+        ]
         yield d, groups
+
+
+def _diag_partial(segb: torch.Tensor) -> torch.Tensor:
+    """(n_blk,) bool: the block holds a document boundary in some batch row (its diagonal tile needs the
+    document mask)."""
+    return (segb[..., 0] != segb[..., -1]).any(dim=-1)
 
 
 def _same_segment(segq: torch.Tensor, segk: torch.Tensor) -> torch.Tensor:
@@ -891,13 +906,17 @@ def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Pl
     buf = plan.workspace(x.qs)
     out = torch.empty(*x.qs.shape[:-1], x.v.shape[-1], dtype=x.qs.dtype, device=x.qs.device)
     lse = torch.empty(x.qs.shape[:-1], dtype=x.qs.dtype, device=x.qs.device)
+    cut = _diag_partial(segb).tolist()
     for qi, ki in plan.groups(0):
         n = (qi.stop - qi.start) * plan.bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
         s, _ = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[:n])
-        keep = _same_segment(segq[qi], segb[ki]) & causal  # never empty: a query sees its own key
-        s.masked_fill_(~keep, -_INF)
-        o, l = _finish_softmax(s, _f(x.v[ki]), keep.to(s.dtype))
+        if any(cut[ki]):
+            keep = _same_segment(segq[qi], segb[ki]) & causal  # never empty: a query sees its own key
+            s.masked_fill_(~keep, -_INF)
+            o, l = _finish_softmax(s, _f(x.v[ki]), keep.to(s.dtype))
+        else:
+            o, l = _finish_softmax(s, _f(x.v[ki]), masks[2])
         out[qi] = o.view_as(out[qi])
         lse[qi] = l.view_as(lse[qi])
     steps = list(_segment_steps(segb, plan))
@@ -910,13 +929,15 @@ def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Pl
     for d, groups in steps:
         if field is not None:
             field.advance(d, plan)
-        for qi, ki in groups:
+        for qi, ki, partial in groups:
             row = s_min = None
             if field is not None:
                 row, s_min = field.row(qi), _f(field.s_min[ki])
             n = len(qi) * bh
             s = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf[:n])
-            _exp_(s).masked_fill_(~_same_segment(segq[qi], segb[ki]), 0.0)
+            _exp_(s)
+            if partial:
+                s.masked_fill_(~_same_segment(segq[qi], segb[ki]), 0.0)
             den.index_add_(0, qi, s.sum(dim=-1).view(-1, bh, bs))
             acc.index_add_(0, qi, torch.bmm(s, _f(x.v[ki])).view(-1, bh, bs, acc.shape[-1]))
     if bool(torch.isfinite(den).all()) and bool(torch.isfinite(acc.sum())):
@@ -927,13 +948,16 @@ def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Pl
     for d, groups in steps:
         if field is not None:
             field.advance(d, plan)
-        for qi, ki in groups:
+        for qi, ki, partial in groups:
             row = s_min = None
             if field is not None:
                 row, s_min = field.row(qi), _f(field.s_min[ki])
             n = len(qi) * bh
             s = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf[:n])
-            o_t, l_t = _finish_softmax_masked(s, _f(x.v[ki]), _same_segment(segq[qi], segb[ki]))
+            if partial:
+                o_t, l_t = _finish_softmax_masked(s, _f(x.v[ki]), _same_segment(segq[qi], segb[ki]))
+            else:
+                o_t, l_t = _finish_softmax(s, _f(x.v[ki]))
             o_m, l_m = merge_lse(out[qi], lse[qi], o_t.view_as(out[qi]), l_t.view_as(lse[qi]))
             out[qi] = o_m
             lse[qi] = l_m
@@ -952,15 +976,19 @@ def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale,
     buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
     dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
     dphi = torch.zeros_like(x.phi) if kind.has_field else None
+    cut = _diag_partial(segb).tolist()
     for qi, ki in plan.groups(0):
         n = (qi.stop - qi.start) * bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
         p, arg = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, True, buf_p[:n])
-        keep = _same_segment(segq[qi], segb[ki]) & causal
-        p.masked_fill_(~keep, -_INF)
+        keep = masks[2]
+        if any(cut[ki]):
+            keep = _same_segment(segq[qi], segb[ki]) & causal
+            p.masked_fill_(~keep, -_INF)
+            keep = keep.to(p.dtype)
         ds = _bwd_tile(
             p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
-            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n], keep=keep.to(p.dtype),
+            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n], keep=keep,
         )  # fmt: skip
         if dphi is not None:
             _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
@@ -969,19 +997,22 @@ def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale,
     for d, groups in _segment_steps(segb, plan):
         if field is not None:
             field.advance(d, plan)
-        for qi, ki in groups:
+        for qi, ki, partial in groups:
             n = len(qi) * bh
             row = s_min = None
             if field is not None:
                 row, s_min = field.row(qi), _f(field.s_min[ki])
             p = _cross_scores(_f(x.qa[qi]), _f(x.ka[ki]), row, s_min, buf_p[:n])
-            keep = _same_segment(segq[qi], segb[ki])
-            p.masked_fill_(~keep, -_INF)
+            keep = None
+            if partial:
+                keep = _same_segment(segq[qi], segb[ki])
+                p.masked_fill_(~keep, -_INF)
+                keep = keep.to(p.dtype)
             qs_t, k_t = _f(x.qs[qi]), _f(x.k[ki])
             dq_t, dk_t, dv_t = torch.zeros_like(qs_t), torch.zeros_like(k_t), torch.zeros_like(_f(x.v[ki]))
             ds = _bwd_tile(
                 p, qs_t, k_t, _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]), dq_t, dk_t, dv_t,
-                buf_ds[:n], keep=keep.to(p.dtype),
+                buf_ds[:n], keep=keep,
             )  # fmt: skip
             dq.index_add_(0, qi, dq_t.view(-1, *dq.shape[1:]))
             dk.index_add_(0, ki, dk_t.view(-1, *dk.shape[1:]))

@@ -55,6 +55,7 @@ import triton.language as tl
 
 from fpa_model.ops.fpa.chunked import CrossGrads, DiagGrads, cross_field, resolve_delta, route_cross_sums
 from fpa_model.ops.fpa.naive import KINDS
+from fpa_model.ops.fpa.segments import check_segment_ids
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KIND_ID = {"fpa": 0, "fox": 1, "softmax": 2}
@@ -135,10 +136,15 @@ def _load_rows(ptr, offs, stride, offs_d, ok, d_ok, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+def _softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, SEGMENTED: tl.constexpr = False):
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # A row whose document starts in a later tile has no visible key yet: keep exp2 finite (alpha, p = 0).
+    if SEGMENTED:  # noqa: SIM108 (a constexpr branch)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
@@ -162,6 +168,12 @@ def _near_logits(
         phi_k = tl.load(PHI + offs_n, mask=n_ok, other=0.0)
         s += (phi_q[:, None] - phi_k[None, :]) * _LOG2E
     return tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf")), lvl
+
+
+@triton.jit
+def _doc_mask(s, seg_rows, seg_cols):
+    """Pairs in different documents get -inf (rows and columns of the tile, either way round)."""
+    return tl.where(seg_rows[:, None] == seg_cols[None, :], s, float("-inf"))
 
 
 @triton.jit
@@ -191,7 +203,7 @@ def _far_logits(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, PHI, PRE, SUF, O, LSE,
+    Q, K, V, PHI, PRE, SUF, O, LSE, SEG, DOC_START, CNT,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -199,7 +211,11 @@ def _fwd_kernel(
     H, T, D, NLEV, T_BUCKET, qk_scale,
     KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+    SEGMENTED: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
+    """Output and base-2 lse of a query tile. SEGMENTED: SEG (B, T) document ids, DOC_START (B, T) the first
+    position of each position's document; key tiles wholly before the first row's document are not
+    visited. COUNT: CNT[0] += the key tiles visited (a debugging aid)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -224,7 +240,17 @@ def _fwd_kernel(
 
     # Near tiles first: the first one holds key d0 <= every row, so each row's running max turns finite.
     d0 = (m0 >> LG) << LG
-    for n0 in range(d0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+    if SEGMENTED:
+        SEG += b * T
+        # Rows past T take the last row's document: they see key T - 1 and stay finite (never stored).
+        seg_q = tl.load(SEG + tl.minimum(offs_m, T - 1))
+        # Every row's document starts at or after the first row's: earlier key tiles are all masked.
+        n_lo = (tl.load(DOC_START + b * T + m0) // BLOCK_N) * BLOCK_N
+        near_lo = tl.maximum(d0, n_lo)
+    else:
+        n_lo = 0
+        near_lo = d0
+    for n0 in range(near_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
         offs_n = n0 + ln
         n_ok = offs_n < T
         k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
@@ -233,10 +259,15 @@ def _fwd_kernel(
             q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, n_ok, qk_scale,
             KIND, BLOCK_M, BLOCK_N, LG, DOT_PREC,
         )  # fmt: skip
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+        if SEGMENTED:
+            s = _doc_mask(s, seg_q, tl.load(SEG + offs_n, mask=n_ok, other=-1))
+        if COUNT:
+            tl.atomic_add(CNT, 1)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, SEGMENTED)
 
-    # Far tiles: whole key tiles below the block, one level each.
-    for n0 in range(0, d0, BLOCK_N):
+    # Far tiles: whole key tiles below the block, one level each (the levels do not depend on where the
+    # loop starts, so skipping the tiles of earlier documents changes no visited tile's bias).
+    for n0 in range(n_lo, d0, BLOCK_N):
         offs_n = n0 + ln
         all_n = offs_n >= 0
         k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
@@ -245,7 +276,11 @@ def _fwd_kernel(
         s, _pre, _suf = _far_logits(
             q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
         )
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+        if SEGMENTED:
+            s = _doc_mask(s, seg_q, tl.load(SEG + offs_n))
+        if COUNT:
+            tl.atomic_add(CNT, 1)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, SEGMENTED)
 
     O += b * stride_ob + h * stride_oh
     tl.store(
@@ -287,7 +322,7 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DQ, DROW, ROWR,
+    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DQ, DROW, ROWR, SEG, DOC_START, CNT,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -296,8 +331,10 @@ def _bwd_dq_kernel(
     H, T, D, NLEV, T_BUCKET, qk_scale, sm_scale,
     KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+    SEGMENTED: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
-    """dq and the row side of the field gradient: fpa ROWR[h, i] (pairs PRE wins), fox DROW_i = sum_{j<i} ds."""
+    """dq and the row side of the field gradient: fpa ROWR[h, i] (pairs PRE wins), fox DROW_i = sum_{j<i} ds.
+    SEGMENTED / COUNT as in the forward (the same key tiles are skipped; CNT[0] counts the visited ones)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -325,8 +362,16 @@ def _bwd_dq_kernel(
     drow = tl.zeros((BLOCK_M,), tl.float32)
 
     d0 = (m0 >> LG) << LG
+    if SEGMENTED:
+        SEG += b * T
+        seg_q = tl.load(SEG + tl.minimum(offs_m, T - 1))  # rows past T: lse = +inf, p = 0 whatever this is
+        n_lo = (tl.load(DOC_START + b * T + m0) // BLOCK_N) * BLOCK_N
+        near_lo = tl.maximum(d0, n_lo)
+    else:
+        n_lo = 0
+        near_lo = d0
     near = tl.zeros((LGP, BLOCK_M), tl.float32)  # fpa: ROWR of the levels below LG
-    for n0 in range(d0, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+    for n0 in range(near_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
         offs_n = n0 + ln
         n_ok = offs_n < T
         k = _load_rows(K, offs_n, stride_kt, offs_d, n_ok, d_ok, LOWP)
@@ -335,6 +380,10 @@ def _bwd_dq_kernel(
             q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, n_ok, qk_scale,
             KIND, BLOCK_M, BLOCK_N, LG, DOT_PREC,
         )  # fmt: skip
+        if SEGMENTED:
+            s = _doc_mask(s, seg_q, tl.load(SEG + offs_n, mask=n_ok, other=-1))
+        if COUNT:
+            tl.atomic_add(CNT, 1)
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -347,10 +396,11 @@ def _bwd_dq_kernel(
         ids = tl.arange(0, LGP)
         tl.store(ROWR + ids[:, None] * T + offs_m[None, :], near, mask=(ids < LG)[:, None] & m_ok[None, :])
 
-    # Far tiles, ascending: the level never rises, so each level's row sums are complete when it changes.
+    # Far tiles, ascending: the level never rises, so each level's row sums are complete when it changes
+    # (starting past the skipped tiles only leaves their levels' sums at zero, as nothing reaches them).
     cur = tl.full((BLOCK_M,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     racc = tl.zeros((BLOCK_M,), tl.float32)
-    for n0 in range(0, d0, BLOCK_N):
+    for n0 in range(n_lo, d0, BLOCK_N):
         offs_n = n0 + ln
         all_n = offs_n >= 0
         k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
@@ -363,6 +413,10 @@ def _bwd_dq_kernel(
         s, pre, suf = _far_logits(
             q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
         )
+        if SEGMENTED:
+            s = _doc_mask(s, seg_q, tl.load(SEG + offs_n))
+        if COUNT:
+            tl.atomic_add(CNT, 1)
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -386,7 +440,7 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkv_kernel(
-    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DK, DV, DCOL, COLR,
+    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DK, DV, DCOL, COLR, SEG, DOC_END, CNT,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -396,9 +450,12 @@ def _bwd_dkv_kernel(
     H, T, D, NLEV, T_BUCKET, qk_scale, sm_scale,
     KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+    SEGMENTED: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
     """dk, dv and the column side of the field gradient, computed as K.Q^T tiles (keys on rows, so P and dS
-    feed the dv and dk dots untransposed): DCOL_j = sum_{i > j} ds_ij, fpa COLR[h, j] (pairs SUF wins)."""
+    feed the dv and dk dots untransposed): DCOL_j = sum_{i > j} ds_ij, fpa COLR[h, j] (pairs SUF wins).
+    SEGMENTED: SEG (B, T) document ids, DOC_END (B, T) one past each position's document; query tiles
+    wholly after the last key's document are not visited. COUNT: CNT[0] += the query tiles visited."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -434,7 +491,16 @@ def _bwd_dkv_kernel(
     # spilled the 64-key tiles at head dim 128; recomputed per query tile they cost a few integer adds.
     # Smaller tiles keep the hoisting (without it ptxas spilled 16 x 64 at head dim 64 on sm_80).
     no_licm: tl.constexpr = HEAD_DIM * BLOCK_N >= 128 * 64
-    for m0 in tl.range(first, tl.minimum(d0 + (1 << LG), T), BLOCK_M, disable_licm=no_licm):
+    if SEGMENTED:
+        SEG += b * T
+        seg_k = tl.load(SEG + tl.minimum(offs_n, T - 1))  # keys past T: masked by causality anyway
+        # Every key's document ends at or before the last key's: later query tiles are all masked.
+        m_hi = tl.minimum(T, tl.load(DOC_END + b * T + tl.minimum(n0 + BLOCK_N, T) - 1))
+        near_hi = tl.minimum(d0 + (1 << LG), m_hi)
+    else:
+        m_hi = T
+        near_hi = tl.minimum(d0 + (1 << LG), T)
+    for m0 in tl.range(first, near_hi, BLOCK_M, disable_licm=no_licm):
         offs_m = m0 + lm
         m_ok = offs_m < T
         q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
@@ -451,6 +517,10 @@ def _bwd_dkv_kernel(
             phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
             st += (phi_q[None, :] - phi_k[:, None]) * _LOG2E
         st = tl.where(offs_n[:, None] <= offs_m[None, :], st, float("-inf"))
+        if SEGMENTED:
+            st = _doc_mask(st, seg_k, tl.load(SEG + offs_m, mask=m_ok, other=-1))
+        if COUNT:
+            tl.atomic_add(CNT, 1)
         pt = tl.exp2(st - lse[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
         dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
@@ -464,10 +534,10 @@ def _bwd_dkv_kernel(
         tl.store(COLR + ids[:, None] * T + offs_n[None, :], near, mask=(ids < LG)[:, None] & n_ok[None, :])
 
     # Far query tiles, ascending: the level never falls, so each level's column sums are complete when it
-    # changes.
+    # changes (stopping before the tiles of later documents leaves their levels' sums at zero).
     cur = tl.full((BLOCK_N,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     cacc = tl.zeros((BLOCK_N,), tl.float32)
-    for m0 in tl.range(d0 + (1 << LG), T, BLOCK_M, disable_licm=no_licm):
+    for m0 in tl.range(d0 + (1 << LG), m_hi, BLOCK_M, disable_licm=no_licm):
         offs_m = m0 + lm
         m_ok = offs_m < T
         q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
@@ -486,6 +556,10 @@ def _bwd_dkv_kernel(
         elif KIND == 1:
             phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
             st += (phi_q[None, :] - phi_k[:, None]) * _LOG2E
+        if SEGMENTED:
+            st = _doc_mask(st, seg_k, tl.load(SEG + offs_m, mask=m_ok, other=-1))
+        if COUNT:
+            tl.atomic_add(CNT, 1)
         pt = tl.exp2(st - lse[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
         dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
@@ -841,7 +915,8 @@ class Tile(NamedTuple):
 # The GPU autotune lists (Hopper / Ampere), per head-dim bucket (64: D <= 64, 128: D <= 128). 64- and
 # 128-row tiles on the side that is the MMA's M (queries in fwd / dq, keys in dk/dv) so Hopper's warpgroup
 # MMA applies. docs/kernel_resources.md has the registers, spills and shared memory of every entry compiled
-# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills. At D = 128
+# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills without
+# segment ids; with them (SEGMENTED) fwd 128 x 64 spills on sm_80 (16-136 B), a few others 8-24 B. At D = 128
 # the causal dk/dv kernel spilled with 64 key rows (80 B on sm_90 under Triton 3.9) until its query loops
 # stopped hoisting the K / V operand addresses (disable_licm); 16 x 64 now fits on both GPUs under both
 # Tritons and leads its list, the 32-row tiles stay as fallbacks. Its 32 x 64 still spills on sm_80 under
@@ -920,7 +995,7 @@ def _tile_of(config: triton.Config) -> dict:
 
 # Lengths enter the key as powers of 2, so an eval sweep over lengths tunes once per octave. No kernel
 # accumulates into its outputs, so the tuner's repeated launches need no reset.
-_KEY = ["T_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC"]
+_KEY = ["T_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC", "SEGMENTED"]
 _CROSS_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC"]
 # name -> (raw kernel, autotuned kernel, the block that counts the programs)
 _KERNELS = {
@@ -1017,8 +1092,75 @@ _FP32_PRECISIONS = ("tf32", "ieee")
 FP32_PRECISION = os.environ.get("FPA_FP32_PRECISION", "tf32")
 
 
+class _Docs(NamedTuple):
+    """Packed documents of a (B, T) window as the kernels read them, each (B, T) int32 contiguous."""
+
+    seg: torch.Tensor  # the document's index in its row: 0, 0, 1, 1, 1, 2, ...
+    start: torch.Tensor  # the first position of the document
+    end: torch.Tensor  # one past its last position
+
+
+def document_layout(segment_ids: torch.Tensor, k: torch.Tensor) -> _Docs:
+    """The kernels' tables of segment ids (B, T) for keys k (B, H, T, D), after segments.check_segment_ids
+    (integer, (B, T), on k's device, non-decreasing). Ids are renumbered 0, 1, ... per row (only equality
+    matters), so any integer range fits int32."""
+    ids = check_segment_ids(segment_ids, k)
+    b, t = ids.shape
+    step = ids.diff(dim=1)
+    new_doc = torch.ones((b, t), dtype=torch.bool, device=ids.device)
+    new_doc[:, 1:] = step != 0
+    last = torch.ones((b, t), dtype=torch.bool, device=ids.device)
+    last[:, :-1] = step != 0
+    pos = torch.arange(t, dtype=torch.int32, device=ids.device).expand(b, t)
+    seg = new_doc.to(torch.int32).cumsum(1, dtype=torch.int32) - 1
+    start = torch.where(new_doc, pos, 0).cummax(1).values
+    end = torch.where(last, pos + 1, t).flip(1).cummin(1).values.flip(1)
+    return _Docs(*(x.to(torch.int32).contiguous() for x in (seg, start, end)))
+
+
+# Slots of a tile counter: the (query tile, key tile) pairs each kernel visits.
+COUNTER_SLOTS = {"fwd": 0, "dq": 1, "dkv": 2}
+
+
+def visited_tiles(name: str, tile: TileSpec, t: int, segment_ids: torch.Tensor | None = None) -> int:
+    """The (query tile, key tile) pairs kernel `name` ("fwd", "dq" or "dkv") visits on one (batch row, head)
+    of T positions with `tile` (block_m, block_n, ...), segment_ids (T,) of that row or None: the host mirror
+    of the kernels' loop bounds, what their tile counter counts. fwd / dq start each query tile's key loop at
+    the key tile holding its first row's document start; dk/dv end each key tile's query loop at its last
+    key's document end."""
+    tile = Tile(*tile)
+    bm, bn = tile.block_m, tile.block_n
+    span = 1 << _levels_below(tile)
+    if segment_ids is None:
+        start, end = [0] * t, [t] * t
+    else:
+        ids = segment_ids.tolist()
+        start = [0] * t
+        for i in range(1, t):
+            start[i] = start[i - 1] if ids[i] == ids[i - 1] else i
+        end = [t] * t
+        for i in range(t - 2, -1, -1):
+            end[i] = end[i + 1] if ids[i] == ids[i + 1] else i + 1
+    count = 0
+    if name in ("fwd", "dq"):
+        for m0 in range(0, t, bm):
+            d0 = m0 // span * span
+            n_lo = start[m0] // bn * bn
+            count += len(range(max(d0, n_lo), min(m0 + bm, t), bn)) + len(range(n_lo, d0, bn))
+    elif name == "dkv":
+        for n0 in range(0, t, bn):
+            d0 = n0 // span * span
+            first = d0 + (n0 - d0) // bm * bm
+            m_hi = end[min(n0 + bn, t) - 1]
+            count += len(range(first, min(d0 + span, m_hi), bm)) + len(range(d0 + span, m_hi, bm))
+    else:
+        raise ValueError(f"visited_tiles counts the kernels {tuple(COUNTER_SLOTS)}, not {name!r}")
+    return count
+
+
 class _Launch:
-    """Per-call constants shared by the kernels of one op, and the pinned tiles (if any)."""
+    """Per-call constants shared by the kernels of one op, the pinned tiles (if any), the packed documents
+    (None: every causal pair is visible) and the debugging tile counter (None: off)."""
 
     def __init__(
         self,
@@ -1027,6 +1169,8 @@ class _Launch:
         scale: float,
         tiles: dict[str, Tile],
         fp32_precision: str | None = None,
+        docs: _Docs | None = None,
+        counter: torch.Tensor | None = None,
     ):
         fp32_precision = fp32_precision or FP32_PRECISION
         if fp32_precision not in _FP32_PRECISIONS:
@@ -1040,18 +1184,31 @@ class _Launch:
         self.lowp = q.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
         prec = "ieee" if _INTERPRET else ("tf32" if self.lowp else fp32_precision)
         self.meta = {"KIND": self.kind_id, "HEAD_DIM": self.head_dim, "LOWP": self.lowp, "DOT_PREC": prec}
+        self.docs = docs
+        self.counter = counter
 
-    def run(self, name: str, *args, length: int) -> None:
+    def doc_args(self, name: str, table: str, dummy: torch.Tensor) -> tuple:
+        """(SEG, DOC_START or DOC_END, CNT) of kernel `name` and its SEGMENTED / COUNT switches; `dummy` stands
+        in for the unused pointers (never read when the switch is off)."""
+        d = self.docs
+        cnt = dummy if self.counter is None else self.counter[COUNTER_SLOTS[name] :]
+        ptrs = (dummy, dummy) if d is None else (d.seg, getattr(d, table))
+        return (*ptrs, cnt), {"SEGMENTED": d is not None, "COUNT": self.counter is not None}
+
+    def run(self, name: str, *args, length: int, switches: Mapping[str, bool] | None = None) -> None:
         """Launch kernel `name` with one program per tile of `length` rows or columns and per (b, h)."""
         raw, tuned, counted = _KERNELS[name]
         tile = self.tiles.get(name)
+        extra = dict(switches or {})
         if tile is None:
             grid = lambda meta: (triton.cdiv(length, meta[counted]), self.B * self.H)  # noqa: E731
-            tuned[grid](*args, **self.meta)
+            tuned[grid](*args, **self.meta, **extra)
         else:
             meta = _meta(tile, raw)
             grid = (triton.cdiv(length, meta[counted]), self.B * self.H)
-            raw[grid](*args, **meta, num_warps=tile.num_warps, num_stages=tile.num_stages, **self.meta)
+            raw[grid](
+                *args, **meta, num_warps=tile.num_warps, num_stages=tile.num_stages, **self.meta, **extra
+            )
 
 
 def _bucket(n: int) -> int:
@@ -1072,12 +1229,13 @@ def _forward(
     pre, suf = field_levels(phi32.view(B * H, T), nlev) if lc.kind_id == 0 else (phi32, phi32)
     o = torch.empty((B, H, T, D), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    docs, switches = lc.doc_args("fwd", "start", lse)
     lc.run(
         "fwd",
-        q, k, v, phi32, pre, suf, o, lse,
+        q, k, v, phi32, pre, suf, o, lse, *docs,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         H, T, D, nlev, _bucket(T), lc.scale * _LOG2E.value,
-        length=T,
+        length=T, switches=switches,
     )  # fmt: skip
     return o, lse
 
@@ -1126,19 +1284,21 @@ def _backward(
     col_r = torch.zeros((B * H, nlev, T), **f32) if is_fpa else row_r
     dcol = torch.empty((B, H, T), **f32)
     common = (H, T, D, nlev, _bucket(T), lc.scale * _LOG2E.value, lc.scale)
+    docs, switches = lc.doc_args("dq", "start", dcol)
     lc.run(
         "dq",
-        q, k, v, phi32, pre, suf, do, lse, delta, dq, row_r, row_r,
+        q, k, v, phi32, pre, suf, do, lse, delta, dq, row_r, row_r, *docs,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *common,
-        length=T,
+        length=T, switches=switches,
     )  # fmt: skip
+    docs, switches = lc.doc_args("dkv", "end", dcol)
     lc.run(
         "dkv",
-        q, k, v, phi32, pre, suf, do, lse, delta, dk, dv, dcol, col_r,
+        q, k, v, phi32, pre, suf, do, lse, delta, dk, dv, dcol, col_r, *docs,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         *common,
-        length=T,
+        length=T, switches=switches,
     )  # fmt: skip
     if lc.kind_id == _KIND_ID["softmax"]:
         return dq, dk, dv, None
@@ -1173,6 +1333,16 @@ def _check_runnable(q: torch.Tensor, what: str) -> None:
         )
 
 
+def _check_counter(counter: torch.Tensor, pinned: Mapping[str, Tile], device: torch.device) -> None:
+    if not isinstance(counter, torch.Tensor) or counter.shape != (3,) or counter.dtype != torch.int32:
+        raise ValueError("tile_counter must be an int32 tensor of shape (3,) (fwd, dq, dkv)")
+    if counter.device != device:
+        raise ValueError(f"tile_counter must be on {device} like q, got {counter.device}")
+    unpinned = [name for name in COUNTER_SLOTS if name not in pinned]
+    if unpinned:
+        raise ValueError(f"tile_counter needs pinned tiles (block_size or tiles) for {unpinned}")
+
+
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the causal kernel cannot serve these inputs (None when it can): what impl="auto" falls back on."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
@@ -1199,11 +1369,20 @@ def fpa_attention_triton(
     block_size: int | None = None,
     tiles: Mapping[str, TileSpec] | None = None,
     fp32_precision: str | None = None,
+    segment_ids: torch.Tensor | None = None,
+    tile_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal FPA / FoX / softmax attention with the Triton kernels (differentiable in q, k, v and phi).
 
     q, k, v: (B, H, T, D), same dtype (fp32, bf16 or fp16), D <= 128; phi: (B, H, T), the field at every
     position (None only for kind="softmax"). Queries and keys cover the same T positions.
+    segment_ids: (B, T) integer document ids, non-decreasing along T (packed documents): key j is visible
+    to query i only when both lie in one document; tiles wholly outside the query's document are never
+    visited. The bias of a visible pair is unchanged (its range [j, i] lies inside the document). None:
+    every causal pair is visible (the kernels compiled without the document switch).
+    tile_counter: a debugging aid, an int32 tensor of 3 zeros on q's device; the forward, dq and dk/dv
+    kernels add the (query tile, key tile) pairs they visit to slots 0, 1, 2 (COUNTER_SLOTS). Needs pinned
+    tiles (an autotuner's trial launches would count too).
     Tiles are autotuned per kernel from GPU_TILES unless pinned: block_size (a power of 2 in [16, 128])
     pins square tiles on every kernel, tiles={"fwd": (64, 32), "dq": (128, 64, 8, 2), ...} pins Tile
     values per kernel. fp32_precision: "tf32" (tensor cores) or "ieee" for fp32 inputs on GPU; default
@@ -1240,8 +1419,11 @@ def fpa_attention_triton(
         raise ValueError(f"phi must be (B, H, T) = {(B, H, T)}, got {tuple(phi.shape)}")
     _check_runnable(q, "fpa_attention_triton")
     pinned = _resolve_tiles(block_size, tiles)
+    docs = None if segment_ids is None else document_layout(segment_ids, k)
+    if tile_counter is not None:
+        _check_counter(tile_counter, pinned, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    lc = _Launch(q, kind, scale, pinned, fp32_precision)
+    lc = _Launch(q, kind, scale, pinned, fp32_precision, docs, tile_counter)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     return _FPATritonFunction.apply(q, k, v, phi, lc)
 
@@ -1494,15 +1676,18 @@ def fpa_diag_backward(
 
 
 __all__ = [
+    "COUNTER_SLOTS",
     "GPU_TILES",
     "GPU_TILES_BY_DIM",
     "KERNEL_NAMES",
     "MAX_HEAD_DIM",
     "Tile",
+    "document_layout",
     "fpa_attention_triton",
     "fpa_cross_backward",
     "fpa_cross_forward",
     "fpa_diag_backward",
     "fpa_diag_forward",
     "unsupported_reason",
+    "visited_tiles",
 ]
