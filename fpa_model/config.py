@@ -72,11 +72,6 @@ class AttentionConfig:
                 "model.attention.document_mask=true does not combine with kv_shift=true (the shift would mix "
                 "a document's last token into the next one's first)"
             )
-        if self.document_mask and self.impl == "triton":
-            raise ValueError(
-                "model.attention.document_mask=true is not served by impl=triton (the kernel has no document "
-                "mask); use impl=auto or chunked"
-            )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(
                 f"model.attention.qk_norm_scale={self.qk_norm_scale} needs model.attention.qk_norm=true "

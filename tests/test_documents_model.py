@@ -113,8 +113,6 @@ def test_paths_without_the_mask_refuse_it():
         KVCache.for_model(model)
     with pytest.raises(ValueError, match="does not combine with kv_shift"):
         AttentionConfig(document_mask=True, kv_shift=True)
-    with pytest.raises(ValueError, match="not served by impl=triton"):
-        AttentionConfig(document_mask=True, impl="triton")
     with pytest.raises(ValueError, match="without model.attention.document_mask"):
         _model("fpa")(torch.zeros(1, 4, dtype=torch.long), segment_ids=torch.zeros(1, 4, dtype=torch.long))
     from pipeline.export import hf_model

@@ -19,6 +19,7 @@ from fpa_model.config import ATTENTION_IMPLS as IMPLS
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import KINDS, fpa_attention_naive, fpa_bias_naive
+from fpa_model.ops.fpa.segments import check_segment_ids
 
 
 def _load_triton():
@@ -59,19 +60,6 @@ def _auto_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return "chunked"
 
 
-def _masked_auto_impl(q: torch.Tensor) -> str:
-    """impl="auto" with segment_ids: the chunked path (the Triton kernel has no document mask), warning
-    once where auto would otherwise have run the kernel."""
-    reason = "does not serve segment_ids (model.attention.document_mask)"
-    if q.is_cuda and reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(
-            f"fpa_attention(impl='auto'): the Triton kernel {reason}; using the chunked PyTorch path",
-            stacklevel=3,
-        )
-    return "chunked"
-
-
 def fpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,13 +83,8 @@ def fpa_attention(
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     spec = resolve_kind(kind)  # the one resolution of the kind: every path below reads its flags
-    if segment_ids is not None and impl == "triton":
-        raise ValueError(
-            "segment_ids (model.attention.document_mask) are not served by the Triton kernel; use "
-            "impl='chunked' (or 'auto', which picks it for masked calls)"
-        )
     if impl == "auto":
-        impl = _auto_impl(q, k, v) if segment_ids is None else _masked_auto_impl(q)
+        impl = _auto_impl(q, k, v)
     if impl == "naive":
         return fpa_attention_naive(q, k, v, phi, kind=spec, scale=scale, segment_ids=segment_ids)
     if impl == "chunked":
@@ -119,7 +102,9 @@ def fpa_attention(
         if spec.has_field:
             raise ValueError(f"kind {spec.name!r} needs a field phi")
         phi = q.new_zeros(k.shape[:-1])
-    return fn(q, k, v, phi, kind=spec.name, scale=scale)  # the kernel module takes the kind's name
+    # The kernel module takes the kind's name; segment_ids only when given, so other calls stay as they were.
+    extra = {} if segment_ids is None else {"segment_ids": check_segment_ids(segment_ids, k)}
+    return fn(q, k, v, phi, kind=spec.name, scale=scale, **extra)
 
 
 __all__ = [
