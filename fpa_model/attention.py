@@ -38,7 +38,7 @@ from fpa_model.context_parallel import (
 )
 from fpa_model.ops.fpa import fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
-from fpa_model.ops.fpa.segments import check_segment_ids, document_positions
+from fpa_model.ops.fpa.segments import check_segment_ids, document_positions, document_starts
 
 
 class RMSNorm(nn.Module):
@@ -211,10 +211,16 @@ class Attention(nn.Module):
         return self.project_with_carry(x, pos_offset, kv_prev)[0]
 
     def project_with_carry(
-        self, x: Tensor, pos_offset: int = 0, kv_prev: tuple[Tensor, Tensor] | None = None
+        self,
+        x: Tensor,
+        pos_offset: int = 0,
+        kv_prev: tuple[Tensor, Tensor] | None = None,
+        positions: Tensor | None = None,
     ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor] | None]:
         """(project's q, k, v, u), carry: with kv_shift, carry is the raw (k, v) (B,H,Dh) of x[:, -1], the
-        kv_prev of the next chunk (the KV-cache decoder keeps it per layer); None without kv_shift."""
+        kv_prev of the next chunk (the KV-cache decoder keeps it per layer); None without kv_shift.
+        positions (B, T): packed documents' positions inside their documents (document_mask): RoPE and
+        the log-n factor use them, and a token at position 0 starts a document (its shift mixes in zeros)."""
         q, k, v = self.raw_qkv(x)
         carry = None
         if self.shift_proj is not None:
@@ -222,8 +228,8 @@ class Attention(nn.Module):
             # by its own position t, and a decoder carries only the last token's raw k, v.
             carry = (k[:, :, -1], v[:, :, -1])
             first = None if kv_prev is None else [kv_prev]
-            k, v = self.shift_kv(x, k, v, first)
-        return self._finish_projection(x, q, k, v, pos_offset), carry
+            k, v = self.shift_kv(x, k, v, first, None if positions is None else positions == 0)
+        return self._finish_projection(x, q, k, v, pos_offset, positions), carry
 
     def raw_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The plain projections q, k, v (B,H,T,Dh) of x (B,T,d_model): no shift, qk-norm or RoPE."""
@@ -232,13 +238,20 @@ class Attention(nn.Module):
         return q, k, v
 
     def shift_kv(
-        self, x: Tensor, k: Tensor, v: Tensor, first: list[tuple[Tensor, Tensor] | None] | None = None
+        self,
+        x: Tensor,
+        k: Tensor,
+        v: Tensor,
+        first: list[tuple[Tensor, Tensor] | None] | None = None,
+        starts: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The key/value shift of raw k, v (B,H,T,Dh): g * k_t + (1 - g) * k_{t-1}, gates from x (B,T,d).
 
         The time axis holds len(first) equal chunks (default one); first[i] is the raw (k, v) (B,H,Dh) of
         the token before chunk i, None where chunk i starts the sequence (zeros, k_{-1} = v_{-1} = 0).
         A sequence-parallel rank's chunks are not adjacent in the sequence, hence one entry per chunk.
+        starts (B, T) bool (document_mask): tokens that start a document, whose k_{t-1} = v_{t-1} = 0 as at
+        the sequence start, so no document's keys mix in the one before it.
         """
         assert self.shift_proj is not None
         h = self.n_head
@@ -251,6 +264,9 @@ class Attention(nn.Module):
             prev_k.append(torch.cat([k0[:, :, None].to(kc.dtype), kc[:, :, :-1]], dim=2))
             prev_v.append(torch.cat([v0[:, :, None].to(vc.dtype), vc[:, :, :-1]], dim=2))
         k_prev, v_prev = torch.cat(prev_k, dim=2), torch.cat(prev_v, dim=2)
+        if starts is not None:
+            keep = (~starts)[:, None, :, None]
+            k_prev, v_prev = k_prev * keep.to(k_prev.dtype), v_prev * keep.to(v_prev.dtype)
         g = torch.sigmoid(self.shift_proj(x)).transpose(1, 2)[..., None]  # (B, 2H, T, 1)
         gk, gv = g[:, :h], g[:, h:]
         return gk * k + (1 - gk) * k_prev, gv * v + (1 - gv) * v_prev
@@ -336,10 +352,10 @@ class Attention(nn.Module):
         if segment_ids is None:
             q, k, v, u = self.project(x)
         else:
-            if self.shift_proj is not None:
-                raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
             q, k, v = self.raw_qkv(x)
             segment_ids = check_segment_ids(segment_ids, k)  # before the positions are read off them
+            if self.shift_proj is not None:
+                k, v = self.shift_kv(x, k, v, None, document_starts(segment_ids))
             q, k, v, u = self._finish_projection(x, q, k, v, 0, document_positions(segment_ids))
         phi = self.field_from_increments(u)
         return self.output(self.attend(q, k, v, phi, segment_ids), x)
@@ -358,9 +374,8 @@ class Attention(nn.Module):
             )
         c = x.shape[1] // len(ids)
         q, k, v = self.raw_qkv(x)
-        if segment_ids is not None:  # RoPE at the document positions of this rank's tokens
-            if self.shift_proj is not None:
-                raise ValueError("segment_ids do not combine with kv_shift (it would mix across documents)")
+        starts = pos = None
+        if segment_ids is not None:
             rank, world = sp_rank_world(sp)
             want = (x.shape[0], x.shape[1] * world)
             if tuple(segment_ids.shape) != want:
@@ -369,13 +384,9 @@ class Attention(nn.Module):
                     f"on every rank; got {tuple(segment_ids.shape)}"
                 )
             segment_ids = check_segment_ids(segment_ids, k, tk=want[1])
+            # This rank's tokens' positions inside their documents (RoPE, log-n) and document starts (shift).
             pos = shard_sequence(document_positions(segment_ids), rank, world, dim=1, layout=sp.layout)
-            q, k, v, u = self._finish_projection(x, q, k, v, 0, pos)
-            o = sequence_parallel_attention(
-                q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk",
-                block_size=self.cfg.block_size, impl=self.cfg.impl, segment_ids=segment_ids,
-            )  # fmt: skip
-            return self.output(o, x)
+            starts = shard_sequence(document_starts(segment_ids), rank, world, dim=1, layout=sp.layout)
         if self.shift_proj is not None:
             tails = torch.stack(
                 [torch.cat([k[:, :, e - 1], v[:, :, e - 1]], -1) for e in range(c, k.shape[2] + 1, c)]
@@ -385,7 +396,14 @@ class Attention(nn.Module):
             prev = chunk_predecessors(tails, sp)
             d = self.head_dim
             first: list[tuple[Tensor, Tensor] | None] = [(p[..., :d], p[..., d:]) for p in prev.unbind(0)]
-            k, v = self.shift_kv(x, k, v, first)
+            k, v = self.shift_kv(x, k, v, first, starts)
+        if pos is not None:  # documents: RoPE at the document positions of this rank's tokens
+            q, k, v, u = self._finish_projection(x, q, k, v, 0, pos)
+            o = sequence_parallel_attention(
+                q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk",
+                block_size=self.cfg.block_size, impl=self.cfg.impl, segment_ids=segment_ids,
+            )  # fmt: skip
+            return self.output(o, x)
         # RoPE and the log-n factor need each chunk's absolute positions.
         if (self.use_rope or self.cfg.log_scale_length is not None) and len(ids) > 1:
             parts = [

@@ -412,10 +412,8 @@ def _forward_chunk(model: torch.nn.Module, cache: KVCache, idx: Tensor) -> Tenso
     for block, lc in zip(model.blocks, cache.layers):
         attn = block.attn
         h = block.norm1(x)
-        if seg is None:
-            (q, k, v, u), lc.kv_prev = attn.project_with_carry(h, pos_offset=cache.seen, kv_prev=lc.kv_prev)
-        else:  # document_mask (no kv_shift): RoPE at the positions inside each row's document
-            q, k, v, u = attn._finish_projection(h, *attn.raw_qkv(h), 0, positions)
+        # document_mask: RoPE at the positions inside each row's document, and no shift across its start.
+        (q, k, v, u), lc.kv_prev = attn.project_with_carry(h, cache.seen, lc.kv_prev, positions)
         phi = attn.field_from_increments(u, lc.phi_last)
         if lc.seen == 0:
             # Nothing cached yet: the model's own op (chunked / Triton, O(T) memory) gives the exact output.

@@ -67,11 +67,6 @@ class AttentionConfig:
                 f"model.attention.log_scale_length must be >= 2 (a training length) or null; "
                 f"got {self.log_scale_length}"
             )
-        if self.document_mask and self.kv_shift:
-            raise ValueError(
-                "model.attention.document_mask=true does not combine with kv_shift=true (the shift would mix "
-                "a document's last token into the next one's first)"
-            )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(
                 f"model.attention.qk_norm_scale={self.qk_norm_scale} needs model.attention.qk_norm=true "

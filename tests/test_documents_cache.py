@@ -15,10 +15,10 @@ from fpa_model.model import GPT
 EOD = 0
 
 
-def _model(kind: str, log_len: int | None = None) -> GPT:
+def _model(kind: str, log_len: int | None = None, kv_shift: bool = False) -> GPT:
     torch.manual_seed(0)
     att = AttentionConfig(kind=kind, impl="chunked", block_size=4, field_weight_std=0.5, document_mask=True,
-                          log_scale_length=log_len)  # fmt: skip
+                          log_scale_length=log_len, kv_shift=kv_shift)  # fmt: skip
     return GPT(ModelConfig(vocab_size=29, n_layer=2, n_head=2, d_model=32, attention=att)).eval()
 
 
@@ -33,10 +33,11 @@ def _prompt() -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["fpa", "fox", "softmax"])
 @pytest.mark.parametrize("chunk", [None, 5, 1])
-@pytest.mark.parametrize("log_len", [None, 4])
-def test_decode_equals_masked_forward_on_a_packed_prompt(kind, chunk, log_len):
-    """log_len 4: the log-n factor at document positions >= 4, in decode as in the forward."""
-    model = _model(kind, log_len)
+@pytest.mark.parametrize(("log_len", "kv_shift"), [(None, False), (4, False), (None, True)])
+def test_decode_equals_masked_forward_on_a_packed_prompt(kind, chunk, log_len, kv_shift):
+    """log_len 4: the log-n factor at document positions >= 4, in decode as in the forward. kv_shift: the
+    first token after an eod mixes in zeros, not the eod's key and value (chunk 1: across decode steps)."""
+    model = _model(kind, log_len, kv_shift)
     x = _prompt()
     with torch.no_grad():
         want = model(x, segment_ids=document_segments(x, EOD))
@@ -50,10 +51,11 @@ def test_decode_equals_masked_forward_on_a_packed_prompt(kind, chunk, log_len):
 
 
 @pytest.mark.parametrize("kind", ["fpa", "fox", "softmax"])
-def test_generate_after_an_end_of_document_is_a_fresh_document(kind):
+@pytest.mark.parametrize("kv_shift", [False, True])
+def test_generate_after_an_end_of_document_is_a_fresh_document(kind, kv_shift):
     """Greedy tokens after a prompt whose last document starts after an eod are those of that document
-    run alone: the earlier document is invisible and RoPE restarts."""
-    model = _model(kind)
+    run alone: the earlier document is invisible, RoPE restarts and the shift mixes in nothing of it."""
+    model = _model(kind, kv_shift=kv_shift)
     x = _prompt()
     new, _ = generate(model, x[:1], 6, eod_id=EOD)
     alone, _ = generate(model, x[:1, 16:], 6, eod_id=EOD)

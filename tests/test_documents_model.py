@@ -45,11 +45,13 @@ def _documents(lengths: list[int], seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kind", ["fpa", "fox", "softmax"])
 @pytest.mark.parametrize("impl", ["naive", "chunked"])
 @pytest.mark.parametrize("log_len", [None, 6])
-def test_packed_window_loss_is_the_sum_of_its_documents_losses(kind, impl, log_len):
+@pytest.mark.parametrize("kv_shift", [False, True])
+def test_packed_window_loss_is_the_sum_of_its_documents_losses(kind, impl, log_len, kv_shift):
     """A masked model's summed token loss on a packed window equals the sum of its documents' losses, each
     document run alone (the logits too). softmax has RoPE, so the positions must restart as well; so must
-    the log-n factor (log_len 6: documents longer than 6 tokens have queries it scales)."""
-    model = _model(kind, document_mask=True, impl=impl, log_scale_length=log_len)
+    the log-n factor (log_len 6: documents longer than 6 tokens have queries it scales), and the key/value
+    shift must not mix a document's last token into the next one's first."""
+    model = _model(kind, document_mask=True, impl=impl, log_scale_length=log_len, kv_shift=kv_shift)
     docs = _documents([7, 1, 12, 1, 9, 18, 1, 16], seed=3)  # 65 tokens: a window of 64 and its targets
     window = torch.cat(docs)[None]
     x, y = window[:, :-1], window[:, 1:]
@@ -66,13 +68,15 @@ def test_packed_window_loss_is_the_sum_of_its_documents_losses(kind, impl, log_l
         start += n
     torch.testing.assert_close(loss_sum, want, atol=1e-4, rtol=1e-5)
     # Without the mask the same window is one sequence: the loss differs (the test can tell).
-    plain = _model(kind, impl=impl, log_scale_length=log_len)
+    plain = _model(kind, impl=impl, log_scale_length=log_len, kv_shift=kv_shift)
     assert not torch.allclose(plain(x), packed, atol=1e-3)
 
 
-def test_masked_gradients_match_documents_alone():
-    """The training gradient of the packed window equals that of its documents run one by one."""
-    model = _model("fpa", document_mask=True)
+@pytest.mark.parametrize("kv_shift", [False, True])
+def test_masked_gradients_match_documents_alone(kv_shift):
+    """The training gradient of the packed window equals that of its documents run one by one (with the
+    key/value shift, its gates' gradients too)."""
+    model = _model("fpa", document_mask=True, kv_shift=kv_shift)
     docs = _documents([5, 1, 20, 14, 9], seed=4)
     x = torch.cat(docs)[None]
     model.zero_grad()
@@ -111,8 +115,6 @@ def test_paths_without_the_mask_refuse_it():
     model = _model("fpa", document_mask=True)
     with pytest.raises(ValueError, match="needs the end-of-document id"):
         KVCache.for_model(model)
-    with pytest.raises(ValueError, match="does not combine with kv_shift"):
-        AttentionConfig(document_mask=True, kv_shift=True)
     with pytest.raises(ValueError, match="without model.attention.document_mask"):
         _model("fpa")(torch.zeros(1, 4, dtype=torch.long), segment_ids=torch.zeros(1, 4, dtype=torch.long))
     from pipeline.export import hf_model

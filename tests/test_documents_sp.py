@@ -83,11 +83,13 @@ def _gpt(rank, world):
     tokens[1, [12, 13, 14]] = 0  # end-of-document id 0: documents across the rank borders
     x, y = tokens[:, :-1], tokens[:, 1:]
     seg = document_segments(x, 0)
-    for kind in ("fpa", "softmax"):
+    # fpa with kv_shift: a chunk's first token takes the previous rank's last raw k, v unless a document
+    # starts there (row 0's position 5 and row 1's 13-15 sit on or near rank borders).
+    for kind, shift in (("fpa", False), ("softmax", False), ("fpa", True)):
         for mode, layout in (("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "zigzag")):
             # log_scale_length 8: the log-n factor at document positions >= 8 (each rank's own tokens)
             att = AttentionConfig(kind=kind, block_size=4, field_weight_std=0.5, impl="chunked",
-                                  document_mask=True, log_scale_length=8)  # fmt: skip
+                                  document_mask=True, log_scale_length=8, kv_shift=shift)  # fmt: skip
             cfg = ModelConfig(vocab_size=61, n_layer=2, n_head=6, d_model=48, max_seq_len=64, attention=att)
             torch.manual_seed(0)
             ref_model = GPT(cfg)
@@ -104,7 +106,7 @@ def _gpt(rank, world):
                 g = p.grad.clone()
                 dist.all_reduce(g)
                 errs[n] = float((g / world - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-12))
-            out[f"{kind}-{mode}-{layout}"] = errs
+            out[f"{kind}{'-shift' if shift else ''}-{mode}-{layout}"] = errs
     return out
 
 

@@ -245,14 +245,16 @@ def test_hf_config_without_kv_shift_loads_as_before(exported: dict) -> None:
 
 @pytest.fixture(scope="module")
 def exported_docs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, tuple]:
-    """Per kind (fpa; softmax, with RoPE): a model.attention.document_mask model, (cfg, plain, hf dir)."""
+    """Per kind (fpa, with the key/value shift; softmax, with RoPE): a model.attention.document_mask model,
+    (cfg, plain, hf dir)."""
     from launch.cli import main
     from pipeline.config import to_yaml
 
     tmp = tmp_path_factory.mktemp("hfdocs")
     out = {}
     for kind in ("fpa", "softmax"):
-        cfg = run_cfg(tmp, data_dir, f"hf-docs-{kind}", kind, ["model.attention.document_mask=true"])
+        extra = ["model.attention.kv_shift=true"] if kind == "fpa" else []
+        cfg = run_cfg(tmp, data_dir, f"hf-docs-{kind}", kind, ["model.attention.document_mask=true", *extra])
         plain = export_random_model(cfg, seed=7)
         yaml = tmp / f"docs-{kind}.yaml"
         yaml.write_text(to_yaml(cfg))

@@ -31,15 +31,22 @@ def check_segment_ids(segment_ids: torch.Tensor, k: torch.Tensor, tk: int | None
     return seg
 
 
+def document_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True where a document starts (the window's first position included), i.e. where the
+    token before lies in another document or outside the window (the key/value shift then mixes in zeros)."""
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return starts
+
+
 def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) int64 position of every token inside its document (0 at each document start): the RoPE
     positions of a packed window whose documents stand alone."""
     t = segment_ids.shape[-1]
     idx = torch.arange(t, device=segment_ids.device).expand_as(segment_ids)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    starts = document_starts(segment_ids)
     first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=-1).values  # start of own document
     return idx - first
 
 
-__all__ = ["check_segment_ids", "document_positions"]
+__all__ = ["check_segment_ids", "document_positions", "document_starts"]
