@@ -5,7 +5,7 @@
 
 Every measurement runs in fresh processes (gloo, one thread each): the single-process baseline is the
 chunked path (fpa_model.ops.fpa.chunked_fpa_attention) on the whole sequence, the ring is
-context_parallel_attention over 2 ranks in the zigzag and the contiguous layout, and ulysses_attention
+ring_attention over 2 ranks in the zigzag and the contiguous layout, and ulysses_attention
 (all-to-all over heads, the chunked path on the whole sequence for half of the heads). Time: forward +
 backward, median over repeats of the slowest rank (a step waits for it), as wall time and as CPU time of
 the process (time.process_time: less sensitive to other load on a shared machine). Memory: peak RSS
@@ -40,12 +40,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fpa_model.config import ATTENTION_KINDS  # noqa: E402
-from fpa_model.context_parallel import (  # noqa: E402
-    context_parallel_attention,
+from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402
+from fpa_model.sequence_parallel import (  # noqa: E402
+    ring_attention,
     shard_sequence,
     ulysses_attention,
 )
-from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402
 
 
 def _status_mb(key: str) -> float:
@@ -96,7 +96,7 @@ def _worker(
         for x in leaves.values():
             x.grad = None
         if world > 1:
-            attention = context_parallel_attention if variant != "ulysses" else ulysses_attention
+            attention = ring_attention if variant != "ulysses" else ulysses_attention
             o = attention(
                 leaves["q"], leaves["k"], leaves["v"], leaves["u"], kind=args.kind, field="walk",
                 block_size=args.block, layout=layout,

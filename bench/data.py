@@ -362,7 +362,7 @@ def bench_train_step(cfg: Any, vocab_size: int, steps: int) -> dict[str, Any]:
     import torch
 
     from fpa_model.model import GPT
-    from pipeline.loss import lm_loss
+    from pipeline.trainer.loss import lm_loss
 
     torch.manual_seed(0)
     cfg.model.vocab_size = vocab_size

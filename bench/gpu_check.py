@@ -68,7 +68,7 @@ IMPORTS = [
     "triton",
     "fpa_model.ops.fpa.triton_kernel",
     "fpa_model.model",
-    "fpa_model.context_parallel",
+    "fpa_model.sequence_parallel",
     "pipeline.train",
     "data_prep.loader",
     "deepspeed",

@@ -12,7 +12,7 @@ Times are medians of triton.testing.do_bench; TFLOP/s count the causal half of t
 (forward 2 * B * H * T^2 * D, forward + backward 3.5x that). Without a CUDA device the script prints
 "no CUDA device: skipping" and exits 0.
 
-A second table times the sequence-parallel ring's per-rank compute (context_parallel_attention at world 1:
+A second table times the sequence-parallel ring's per-rank compute (ring_attention at world 1:
 two zigzag chunks of T/2, i.e. two diagonal pairs and one cross pair, forward + backward) on its Triton
 blocks against its chunked PyTorch blocks (what the ring runs on CPU), at --ring-lengths.
 
@@ -216,7 +216,7 @@ def bench_one(t: int, d: int, args: argparse.Namespace, device: torch.device) ->
 def bench_ring(t: int, d: int, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     """The ring's compute for one rank holding two zigzag chunks (world 1: no communication), fpa with a
     walk field, on impl="triton" and impl="chunked" blocks."""
-    from fpa_model.context_parallel import context_parallel_attention
+    from fpa_model.sequence_parallel import ring_attention
 
     dtype = DTYPES[args.dtype]
     b, h = max(1, args.tokens // t), args.heads
@@ -229,7 +229,7 @@ def bench_ring(t: int, d: int, args: argparse.Namespace, device: torch.device) -
         row: dict[str, Any] = {"T": t, "D": d, "B": b, "H": h, "dtype": args.dtype, "method": f"ring-{impl}"}
 
         def fwd(impl: str = impl) -> torch.Tensor:
-            return context_parallel_attention(q, k, v, u, kind="fpa", field="walk", impl=impl)
+            return ring_attention(q, k, v, u, kind="fpa", field="walk", impl=impl)
 
         try:
             with torch.no_grad():

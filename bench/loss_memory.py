@@ -37,7 +37,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     from fpa_model.config import AttentionConfig, ModelConfig
     from fpa_model.model import GPT
-    from pipeline.loss import lm_loss
+    from pipeline.trainer.loss import lm_loss
 
     torch.manual_seed(0)
     device = torch.device(args.device)

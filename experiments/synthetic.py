@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from fpa_model.attention import Attention
 from fpa_model.config import ATTENTION_IMPLS, AttentionConfig
 from pipeline.atomic import atomic_write, atomic_write_text
-from pipeline.schedule import warmup_cosine
+from pipeline.trainer.schedule import warmup_cosine
 
 BOS = 0
 

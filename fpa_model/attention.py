@@ -29,16 +29,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpa_model.config import AttentionConfig
-from fpa_model.context_parallel import (
+from fpa_model.ops.fpa import fpa_attention
+from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
+from fpa_model.ops.fpa.segments import check_segment_ids, document_positions, document_starts
+from fpa_model.sequence_parallel import (
     SequenceParallel,
     chunk_predecessors,
     sequence_parallel_attention,
     shard_sequence,
     sp_rank_world,
 )
-from fpa_model.ops.fpa import fpa_attention
-from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
-from fpa_model.ops.fpa.segments import check_segment_ids, document_positions, document_starts
 
 
 class RMSNorm(nn.Module):

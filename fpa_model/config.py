@@ -10,7 +10,7 @@ from dataclasses import dataclass
 ATTENTION_KINDS = ("fpa", "fox", "softmax")
 FIELD_MODES = ("walk", "gate", "direct")
 ATTENTION_IMPLS = ("auto", "naive", "chunked", "triton")
-# Sequence parallelism (fpa_model.context_parallel): how a sequence is cut over ranks, how they attend.
+# Sequence parallelism (fpa_model.sequence_parallel): how a sequence is cut over ranks, how they attend.
 SP_LAYOUTS = ("zigzag", "contiguous")
 SP_MODES = ("ring", "ulysses")
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fpa_model.attention import Attention, RMSNorm
 from fpa_model.config import ModelConfig
-from fpa_model.context_parallel import SequenceParallel
+from fpa_model.sequence_parallel import SequenceParallel
 
 
 class SwiGLU(nn.Module):
@@ -88,7 +88,7 @@ class GPT(nn.Module):
         self, idx: Tensor, head: bool = True, keep: Tensor | None = None, segment_ids: Tensor | None = None
     ) -> Tensor:
         """Logits (B, T, vocab); head=False: the final normed hidden states (B, T, d_model), for a loss that
-        applies lm_head itself (pipeline.loss, chunked).
+        applies lm_head itself (pipeline.trainer.loss, chunked).
 
         keep: a (B, T) bool mask; only those positions come out, as (N, vocab) logits or (N, d_model) states
         (N = keep.sum(), row-major). A loss on a few positions (passkey answers) then skips the vocab-wide
@@ -119,8 +119,8 @@ class GPT(nn.Module):
     def set_sequence_parallel(self, sp: SequenceParallel | None) -> int:
         """Every attention layer attends across sp's group (None: whole sequences here); returns the count.
 
-        forward then takes this rank's part of the sequence (fpa_model.context_parallel.shard_batch) and
-        returns this rank's logits; the trainer makes the groups (pipeline.sequence_parallel).
+        forward then takes this rank's part of the sequence (fpa_model.sequence_parallel.shard_batch) and
+        returns this rank's logits; the trainer makes the groups (pipeline.trainer.sequence_parallel).
         """
         for block in self.blocks:
             block.attn.sequence_parallel = sp

@@ -138,7 +138,7 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay; pipeline.schedule)
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay; pipeline.trainer.schedule)
     decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays
     decay_shape: str = "sqrt"  # wsd: linear | cosine | sqrt (1 - sqrt(progress))
     weight_decay: float = 0.1
@@ -147,7 +147,7 @@ class TrainConfig:
     zero_stage: int = 0
     # auto: bf16 on CUDA, fp32 on CPU (resolve_precision; load_config records the result). bf16 at ZeRO 1-3
     # is DeepSpeed's bf16 mode (fp32 master weights and gradient accumulation); at ZeRO-0, torch autocast
-    # over fp32 weights and gradients (pipeline.step.autocast).
+    # over fp32 weights and gradients (pipeline.trainer.step.autocast).
     precision: str = "auto"  # auto | fp32 | bf16
     nan_policy: str = "skip"  # skip (drop the step, record it) | stop
     max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss (or spikes)
@@ -218,7 +218,7 @@ def resolve_precision(train: TrainConfig, cuda: bool | None = None) -> str:
 class ParallelConfig:
     sequence: int = 1  # sequence-parallel degree (ranks sharing one sequence)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    # ring: K/V/phi passed around the sp ranks (fpa_model.context_parallel); ulysses: all-to-all over heads
+    # ring: K/V/phi passed around the sp ranks (fpa_model.sequence_parallel); ulysses: all-to-all over heads
     sequence_mode: str = "ring"
     # zigzag: rank r holds chunks r and 2W-1-r of 2W (balanced causal work); contiguous: chunk r of W
     sequence_layout: str = "zigzag"

@@ -7,10 +7,11 @@ data and tokenizer, the sequence length, the seeds, the global batch, the optimi
 weight decay, the ZeRO stage, the precision) makes them another run's: they are archived and training
 starts over, and the log says which keys changed and how to continue the old run instead.
 
-The learning rate is a pure function of (step, config) (pipeline.schedule): a continued run follows the
-new config's schedule from its checkpoint's step on, recomputed for the new total (a cosine stretched to
-a larger max_steps resumes at a higher lr than it ended on; the log gives both). Steps already trained
-are what they were. The passkey phase (the last train.passkey.steps of max_steps) is placed the same way.
+The learning rate is a pure function of (step, config) (pipeline.trainer.schedule): a continued run
+follows the new config's schedule from its checkpoint's step on, recomputed for the new total (a cosine
+stretched to a larger max_steps resumes at a higher lr than it ended on; the log gives both). Steps
+already trained are what they were. The passkey phase (the last train.passkey.steps of max_steps) is
+placed the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.schedule import lr_at
+from pipeline.trainer.schedule import lr_at
 
 # Dotted keys of pipeline.stages.train_inputs (a trailing ".": every key below) whose change continues.
 FUTURE_KEYS = (

@@ -3,16 +3,8 @@
     torchrun --nproc_per_node 2 -m pipeline.train configs/tiny.yaml train.max_steps=100
     python -m pipeline.train configs/tiny.yaml            # one process
 
-This file is the orchestration: build the parts, resume, loop over steps, save, exit. The parts:
-
-    pipeline.batches       the data a step consumes (loader batches; passkey rows in the passkey phase)
-    pipeline.step          one optimizer step: forward, loss (pipeline.loss), backward, optimizer step
-    pipeline.guards        steps that must not update: non-finite loss, loss spikes (skip or stop)
-    pipeline.schedule      the learning rate as a function of the step (cosine, warmup-stable-decay)
-    pipeline.checkpointer  what a checkpoint holds (TrainState, RNG, loader cursor) and when to save
-    pipeline.metrics       metrics.jsonl lines and the logged window (throughput, MFU, memory)
-    pipeline.preemption    signals -> checkpoint -> exit 75, Slurm requeue
-    pipeline.engine        the DeepSpeed config and engine; pipeline.validation: the validation loss
+This file is the orchestration: build the parts, resume, loop over steps, save, exit. The parts are
+pipeline.trainer's modules (its docstring lists them); the checkpoints on disk are pipeline.checkpoint.
 
 What it guarantees:
 - exact resume: model, optimizer, step, tokens, per-rank RNG and the loader cursor come back from the
@@ -48,18 +40,18 @@ import torch
 
 from fpa_model.model import GPT
 from pipeline import distributed as dist_utils
-from pipeline.batches import LoaderFactory, PasskeyBatches, StepBatches, default_loader
-from pipeline.checkpointer import Checkpointer, TrainState
 from pipeline.config import ConfigError, RunConfig, derive, load_config
-from pipeline.engine import build_engine, deepspeed_config, param_groups
 from pipeline.errors import TrainingError
-from pipeline.guards import StepPolicy
 from pipeline.logging import make_logger
-from pipeline.metrics import Metrics, measure_peak_flops
-from pipeline.preemption import EXIT_PREEMPTED, REQUEUE_ENV, Preempted, StopFlag, requeue_slurm_job
-from pipeline.schedule import lr_at
-from pipeline.step import SeqParallel, StepSetup, document_eod, train_step
-from pipeline.validation import evaluate
+from pipeline.trainer.batches import LoaderFactory, PasskeyBatches, StepBatches, default_loader
+from pipeline.trainer.engine import build_engine, deepspeed_config, param_groups
+from pipeline.trainer.guards import StepPolicy
+from pipeline.trainer.metrics import Metrics, measure_peak_flops
+from pipeline.trainer.preemption import EXIT_PREEMPTED, REQUEUE_ENV, Preempted, StopFlag, requeue_slurm_job
+from pipeline.trainer.schedule import lr_at
+from pipeline.trainer.step import SeqParallel, StepSetup, document_eod, train_step
+from pipeline.trainer.train_state import Checkpointer, TrainState
+from pipeline.trainer.validation import evaluate
 
 # Imported from here by callers and tests.
 __all__ = [
@@ -138,7 +130,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
     tc, d = cfg.train, derive(cfg, info.world_size)
     dp_rank, dp_world, sp = info.rank, d.data_parallel, None
     if d.sequence_parallel > 1:
-        from pipeline.sequence_parallel import make_groups
+        from pipeline.trainer.sequence_parallel import make_groups
 
         _, sp_group, dp_rank, dp_world, sp_rank = make_groups(d.sequence_parallel)
         sp = SeqParallel(sp_group, sp_rank, d.sequence_parallel, cfg.parallel.sequence_layout)
@@ -158,7 +150,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, activation_checkpointing=tc.activation_checkpointing)
     if sp is not None:
-        from fpa_model.context_parallel import SequenceParallel
+        from fpa_model.sequence_parallel import SequenceParallel
 
         model.set_sequence_parallel(SequenceParallel(sp.group, sp.layout, cfg.parallel.sequence_mode))
     n_params = model.num_parameters()

@@ -1,5 +1,5 @@
-"""pipeline.deepspeed_internals: what the project relies on inside DeepSpeed is still there, and still does
-what the step guards need (a dropped step leaves the weights alone and advances the counters)."""
+"""pipeline.trainer.deepspeed_internals: what the project relies on inside DeepSpeed is still there, and
+still does what the step guards need (a dropped step leaves the weights alone and advances the counters)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.deepspeed_internals import TAKE_MODEL_STEP_UPDATES, check_deepspeed
+from pipeline.trainer.deepspeed_internals import TAKE_MODEL_STEP_UPDATES, check_deepspeed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ _SCRIPT = textwrap.dedent(
     import torch
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # no JIT build
     import deepspeed
-    from pipeline.deepspeed_internals import discard_step, poisoned, skipped_steps
+    from pipeline.trainer.deepspeed_internals import discard_step, poisoned, skipped_steps
 
     out = {}
     for stage in (0, 1):

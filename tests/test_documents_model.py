@@ -12,7 +12,7 @@ from fpa_model.cache import KVCache
 from fpa_model.config import AttentionConfig, ModelConfig
 from fpa_model.model import GPT
 from fpa_model.ops.fpa.segments import document_positions
-from pipeline.step import micro_loss
+from pipeline.trainer.step import micro_loss
 
 EOD = 0
 
@@ -170,7 +170,7 @@ def test_bad_segment_ids_given_to_the_model_are_one_line_errors(kind):
     """Checked before the RoPE positions are read off them (softmax has RoPE): a wrong shape, a decrease
     inside a window, a float tensor; under sequence parallelism (one rank) ids that are not the whole
     sequence's."""
-    from fpa_model.context_parallel import SequenceParallel
+    from fpa_model.sequence_parallel import SequenceParallel
 
     model = _model(kind, document_mask=True)
     x = torch.randint(1, 31, (2, 12))

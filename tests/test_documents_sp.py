@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fpa_model.context_parallel import context_parallel_attention, shard_sequence, ulysses_attention
 from fpa_model.ops.fpa.naive import fpa_attention_naive
+from fpa_model.sequence_parallel import ring_attention, shard_sequence, ulysses_attention
 
 SEQ = 36  # zigzag chunks of 9 (W=2) and 6 (W=3); contiguous 18 and 12
 # Row 0: a document over positions 5..30 spans 3 contiguous ranks at W=3 (and both at W=2); row 1: a
@@ -52,7 +52,7 @@ def _case(rank, world, mode, layout, kind, seed):
     ref = _reference(t, kind, seg)
     loc = {n: shard_sequence(t[n].float(), rank, world, dim=2, layout=layout) for n in t}
     leaves = {n: loc[n].clone().requires_grad_() for n in ("q", "k", "v", "u")}
-    attend = context_parallel_attention if mode == "ring" else ulysses_attention
+    attend = ring_attention if mode == "ring" else ulysses_attention
     u = None if kind == "softmax" else leaves["u"]
     out = attend(leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field="walk", block_size=4,
                  layout=layout, impl="chunked", segment_ids=seg)  # fmt: skip
@@ -73,9 +73,9 @@ def _gpt(rank, world):
     """A masked GPT step under sp (each layout and mode) vs one rank: loss and every gradient."""
     from data_prep.loader import document_segments
     from fpa_model.config import AttentionConfig, ModelConfig
-    from fpa_model.context_parallel import SequenceParallel
     from fpa_model.model import GPT
-    from pipeline.loss import lm_loss
+    from fpa_model.sequence_parallel import SequenceParallel
+    from pipeline.trainer.loss import lm_loss
 
     out = {}
     tokens = torch.randint(1, 61, (2, SEQ + 1), generator=torch.Generator().manual_seed(2))

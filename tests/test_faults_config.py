@@ -217,8 +217,8 @@ def test_110m_preset_trains_in_bf16_on_a_gpu(cuda: bool) -> None:
 def test_bf16_at_zero0_is_autocast_over_an_fp32_engine(cuda: bool) -> None:
     """DeepSpeed's bf16 mode only from ZeRO-1 on; at ZeRO-0 the engine stays fp32 and the forward runs
     under torch autocast (bf16), so weights, gradients and the optimizer are fp32."""
-    from pipeline.engine import deepspeed_config
-    from pipeline.step import autocast
+    from pipeline.trainer.engine import deepspeed_config
+    from pipeline.trainer.step import autocast
 
     for stage in (0, 1):
         cfg = load_config([], ["train.precision=bf16", f"train.zero_stage={stage}", "model.vocab_size=64"])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fpa_model.attention import Attention, apply_rope, gate_bias_for_increment, rope_cos_sin
 from fpa_model.config import AttentionConfig, ModelConfig
 from fpa_model.model import GPT
-from pipeline.loss import lm_loss
+from pipeline.trainer.loss import lm_loss
 
 D, H = 32, 4
 

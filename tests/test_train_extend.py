@@ -23,8 +23,8 @@ from test_train_support import REPO, prepare_word_corpus, read_metrics
 
 from pipeline.config import load_config
 from pipeline.continuation import decide
-from pipeline.schedule import lr_at
 from pipeline.stages import train_inputs
+from pipeline.trainer.schedule import lr_at
 
 TOL = 2e-5  # fp32 resume is exact to about 1e-6
 

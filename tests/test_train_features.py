@@ -17,8 +17,8 @@ from test_train_support import read_metrics, run_training, summary_of, write_con
 from fpa_model.config import AttentionConfig, ModelConfig
 from fpa_model.model import GPT
 from pipeline.config import ConfigError, TrainConfig, load_config
-from pipeline.loss import lm_loss
-from pipeline.schedule import decay_start, lr_at
+from pipeline.trainer.loss import lm_loss
+from pipeline.trainer.schedule import decay_start, lr_at
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
@@ -169,7 +169,7 @@ def _sp_chunked(rank: int, world: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from fpa_model.context_parallel import shard_sequence
+    from fpa_model.sequence_parallel import shard_sequence
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

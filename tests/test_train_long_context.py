@@ -29,8 +29,8 @@ BASE = [
 
 
 def test_task_rows_are_answer_only_deterministic_and_ramped(cfg_path, data_dir):  # noqa: F811
-    from pipeline.batches import PasskeyBatches
     from pipeline.config import derive, load_config
+    from pipeline.trainer.batches import PasskeyBatches
 
     cfg = load_config([cfg_path], [*BASE, f"data.out_dir={data_dir}", "train.passkey.ramp_steps=2"])
     rows = PasskeyBatches(cfg, derive(cfg), dp_rank=0, start=2)
@@ -61,8 +61,8 @@ def test_task_rows_are_answer_only_deterministic_and_ramped(cfg_path, data_dir):
 
 
 def test_bad_task_config_is_one_line(cfg_path, data_dir):  # noqa: F811
-    from pipeline.batches import PasskeyBatches
     from pipeline.config import ConfigError, derive, load_config
+    from pipeline.trainer.batches import PasskeyBatches
 
     with pytest.raises(
         ConfigError, match=r"train.passkey.task has an unknown task 'overwrit' \(did you mean"

@@ -99,8 +99,8 @@ def test_phase_is_the_last_steps_on_top_of_the_language_model(reference):
 
 
 def test_phase_rows_are_answer_only_and_deterministic(cfg_path, data_dir):
-    from pipeline.batches import PasskeyBatches as _PasskeyBatches
     from pipeline.config import derive, load_config
+    from pipeline.trainer.batches import PasskeyBatches as _PasskeyBatches
 
     over = [*BASE, f"data.out_dir={data_dir}", "parallel.sequence=2"]
     cfg = load_config([cfg_path], over)
@@ -153,8 +153,8 @@ def test_phase_bounds_are_checked_with_the_key_named():
 def test_ramp_grows_the_longest_prompt_from_min_len_to_max_len(data_dir, tmp_path):
     """train.passkey.ramp_steps: the longest prompt grows linearly over the phase's first steps (the phase
     starts at max_steps - steps), each drawn length stays a multiple in [min_len, bound], then max_len."""
-    from pipeline.batches import PasskeyBatches
     from pipeline.config import derive, load_config
+    from pipeline.trainer.batches import PasskeyBatches
 
     over = ["train.max_steps=30", "train.passkey.steps=20", "train.passkey.min_len=64"]
     over += ["train.passkey.max_len=160", "train.passkey.ramp_steps=8", "train.passkey.batch=2"]

@@ -220,10 +220,10 @@ NAN_STEP_ENV = "FPA_TEST_NAN_STEP"
 def poison_step(step: int, grad_accum: int) -> None:
     """Make the loss of step index `step` non-finite on the last rank, in its last micro batch (the earlier
     ones are already backpropagated: the hardest case for dropping a step), by wrapping
-    pipeline.step.micro_loss in this process. Validation (under no_grad) is left alone."""
+    pipeline.trainer.step.micro_loss in this process. Validation (under no_grad) is left alone."""
     import torch.distributed as dist
 
-    import pipeline.step as tr
+    import pipeline.trainer.step as tr
 
     real, calls = tr.micro_loss, [0]
 
@@ -245,8 +245,8 @@ SPIKE_STEP_ENV = "FPA_TEST_SPIKE_STEP"
 def spike_step(step: int, grad_accum: int, factor: float = 1000.0) -> None:
     """Multiply the language-model loss of step index `step` by `factor` in its last micro batch (every
     rank), keyed on the trainer's step counter so that a resumed run plants it at the same step."""
-    import pipeline.step as st
     import pipeline.train as tr
+    import pipeline.trainer.step as st
 
     real_step, real_loss, current, calls = tr.train_step, st.micro_loss, [-1], [0]
 
@@ -300,7 +300,7 @@ def test_memory_loader_global_order_is_world_size_independent():
 
 def test_lr_schedule_warmup_cosine():
     from pipeline.config import TrainConfig
-    from pipeline.schedule import lr_at
+    from pipeline.trainer.schedule import lr_at
 
     tc = TrainConfig(lr=1.0, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
     assert [lr_at(s, tc) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -311,7 +311,7 @@ def test_lr_schedule_warmup_cosine():
 
 
 def test_batch_to_xy_accepts_rows_and_pairs():
-    from pipeline.batches import batch_to_xy
+    from pipeline.trainer.batches import batch_to_xy
 
     rows = torch.arange(10).view(2, 5)
     x, y = batch_to_xy(rows, torch.device("cpu"))

@@ -209,7 +209,7 @@ def test_deepspeed_config_and_param_groups():
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["bf16"] == {"enabled": True}
     assert ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["zero_optimization"]["stage"] == 2 and ds["checkpoint"]["load_universal"] is False
-    # ZeRO-0 bf16 is autocast over an fp32 engine (pipeline.step.autocast): no DeepSpeed bf16 mode there.
+    # ZeRO-0 bf16 is autocast over an fp32 engine (pipeline.trainer.step.autocast): no DeepSpeed bf16 mode.
     zero0 = load_config([], ["train.precision=bf16", "train.zero_stage=0", "model.vocab_size=64"])
     assert "bf16" not in deepspeed_config(zero0, derive(zero0)) and "data_types" not in deepspeed_config(
         zero0, derive(zero0)
@@ -293,7 +293,7 @@ def test_targeted_only_loss_equals_the_full_logits_loss(chunk_tokens):
 
     from fpa_model.config import ModelConfig
     from fpa_model.model import GPT
-    from pipeline.step import micro_loss
+    from pipeline.trainer.step import micro_loss
 
     class Engine:  # what micro_loss uses of a DeepSpeed engine
         def __init__(self, module: torch.nn.Module) -> None:
@@ -334,7 +334,7 @@ def test_a_passkey_min_len_too_short_for_the_tokenizer_says_what_fits(tmp_path):
     many tokens for the needle and question: one line before training naming the min_len that fits."""
     from test_train_support import prepare_word_corpus
 
-    from pipeline.batches import PasskeyBatches
+    from pipeline.trainer.batches import PasskeyBatches
 
     data = prepare_word_corpus(tmp_path)
     over = [f"data.out_dir={data}", "data.seq_len=32", "train.passkey.steps=1", "train.passkey.max_len=1024"]

@@ -28,7 +28,7 @@ argSUF[h, j] (`route_levels`: runs of equal argmin are contiguous, so these are 
 buffer element has one writer: no atomics, the same field gradient whatever tiles the autotuner picks
 for each kernel, and the same bits from run to run.
 
-Ring blocks. The sequence-parallel ring (fpa_model/context_parallel.py) calls fpa_cross_forward /
+Ring blocks. The sequence-parallel ring (fpa_model/sequence_parallel.py) calls fpa_cross_forward /
 fpa_cross_backward / fpa_diag_forward / fpa_diag_backward, with the signatures and return types of the
 chunked path's blocks (natural-log lse in and out). The diagonal block is the causal op above on one chunk
 (its backward fed with the merged rows' lse and delta). The cross block (a query chunk against a strictly

@@ -40,7 +40,7 @@ def lm_loss(
     """
     if head is None:
         if group is not None:
-            from pipeline.sequence_parallel import sequence_parallel_cross_entropy
+            from pipeline.trainer.sequence_parallel import sequence_parallel_cross_entropy
 
             return sequence_parallel_cross_entropy(out, targets, group, grad_scale=grad_scale)
         return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from pipeline.batches import LoaderFactory
 from pipeline.config import RunConfig, resolve_precision
 from pipeline.errors import TrainingError
-from pipeline.step import SeqParallel, all_reduce_sum, autocast, document_eod, micro_loss
+from pipeline.trainer.batches import LoaderFactory
+from pipeline.trainer.step import SeqParallel, all_reduce_sum, autocast, document_eod, micro_loss
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -
     }
     if d.precision == "bf16" and tc.zero_stage >= 1:  # resolved by pipeline.config
         # DeepSpeed's bf16 mode needs ZeRO >= 1 to keep fp32 master weights; ZeRO-0 bf16 is torch autocast
-        # over the fp32 engine instead (pipeline.step.autocast), so nothing is set here for it.
+        # over the fp32 engine instead (pipeline.trainer.step.autocast), so nothing is set here for it.
         ds["bf16"] = {"enabled": True}
         # bf16 gradient accumulation drifts over many micro batches: accumulate in fp32.
         ds["data_types"] = {"grad_accum_dtype": "fp32"}

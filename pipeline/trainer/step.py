@@ -1,5 +1,5 @@
 """One optimizer step: for each micro batch forward, loss, (agreement across ranks), backward; then the
-optimizer step, or the step dropped when its loss is not finite or is a spike (pipeline.guards).
+optimizer step, or the step dropped when its loss is not finite or is a spike (pipeline.trainer.guards).
 
 Under DeepSpeed every micro batch goes through engine.backward and engine.step; engine.step() only
 updates at the accumulation boundary (the last micro batch), before that it advances a counter.
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from pipeline import distributed as dist_utils
-from pipeline.batches import Batch, MicroBatch, batch_to_xy
-from pipeline.checkpointer import TrainState
 from pipeline.config import RunConfig
-from pipeline.deepspeed_internals import poisoned, skipped_steps
-from pipeline.guards import StepPolicy, drop_step
-from pipeline.loss import IGNORE_INDEX, lm_loss
-from pipeline.preemption import StopFlag
+from pipeline.trainer.batches import Batch, MicroBatch, batch_to_xy
+from pipeline.trainer.deepspeed_internals import poisoned, skipped_steps
+from pipeline.trainer.guards import StepPolicy, drop_step
+from pipeline.trainer.loss import IGNORE_INDEX, lm_loss
+from pipeline.trainer.preemption import StopFlag
+from pipeline.trainer.train_state import TrainState
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def autocast(device: torch.device, precision: str, zero_stage: int) -> contextli
 
     DeepSpeed's bf16 mode (ZeRO 1-3) keeps the module in bf16 with fp32 master weights in the optimizer; at
     ZeRO-0 it would sum gradients in bf16, so there the module, its gradients and the optimizer stay fp32
-    and torch autocast runs the matmuls in bf16 (the loss is fp32 either way, pipeline.loss).
+    and torch autocast runs the matmuls in bf16 (the loss is fp32 either way, pipeline.trainer.loss).
     """
     on = precision == "bf16" and zero_stage == 0
     return torch.autocast(device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
@@ -102,7 +102,7 @@ def micro_loss(
     if sp is None:
         x, y = batch_to_xy(batch, device)
     else:
-        from fpa_model.context_parallel import shard_batch, shard_sequence
+        from fpa_model.sequence_parallel import shard_batch, shard_sequence
 
         if isinstance(batch, tuple):  # (inputs, targets), e.g. passkey rows with ignored targets
             x, y = (shard_sequence(t.long(), sp.rank, sp.degree, dim=1, layout=sp.layout) for t in batch)

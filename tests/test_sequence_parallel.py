@@ -22,18 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import fpa_model.context_parallel as cp
-from fpa_model.context_parallel import (
+import fpa_model.sequence_parallel as cp
+from fpa_model.ops.fpa.naive import fpa_attention_naive
+from fpa_model.sequence_parallel import (
     chunk_ids,
-    context_parallel_attention,
     local_positions,
+    ring_attention,
     shard_batch,
     shard_sequence,
     ulysses_attention,
     unshard_sequence,
 )
-from fpa_model.ops.fpa.naive import fpa_attention_naive
-from pipeline.sequence_parallel import make_groups
+from pipeline.trainer.sequence_parallel import make_groups
 
 TOL = 1e-4  # fp32 ranks vs a float64 oracle, errors relative to the largest reference entry
 SEQ = 48  # divisible by 2W for W = 2, 4 (zigzag) and gives chunks of 6 or 12 tokens
@@ -123,7 +123,7 @@ def _run_case(
     }
     leaves = {n: loc[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
     u = None if kind == "softmax" else _field_of(leaves["pre"], field)
-    attention = context_parallel_attention if mode == "ring" else ulysses_attention
+    attention = ring_attention if mode == "ring" else ulysses_attention
     out = attention(
         leaves["q"], leaves["k"], leaves["v"], u, kind=kind, field="direct" if field == "ties" else field,
         group=group, block_size=BLOCK,
@@ -161,7 +161,7 @@ def _check_groups(rank: int, world: int) -> dict[str, object]:
 
 def _sp_loss_check(rank: int, world: int) -> dict[str, float]:
     """sequence_parallel_cross_entropy on sharded logits vs the full-batch loss and its gradient."""
-    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
+    from pipeline.trainer.sequence_parallel import sequence_parallel_cross_entropy
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 16, 7, generator=g, dtype=torch.float64)
@@ -191,8 +191,8 @@ GPT_CASES = [
 def _gpt_sp_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     """Tiny GPT: loss and every parameter gradient of a sequence-parallel step vs the 1-rank step."""
     from fpa_model.config import AttentionConfig, ModelConfig
-    from fpa_model.context_parallel import SequenceParallel
     from fpa_model.model import GPT
+    from fpa_model.sequence_parallel import SequenceParallel
 
     out: dict[str, dict[str, float]] = {}
     block_impls: list[str] = []
@@ -226,7 +226,7 @@ def _sp_step_errors(
 ) -> dict:
     """One LM step of sp_model across the group vs a 1-rank copy of it: relative error of the loss and of
     every parameter gradient (the ranks' shares summed)."""
-    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
+    from pipeline.trainer.sequence_parallel import sequence_parallel_cross_entropy
 
     ref_model = copy.deepcopy(sp_model)
     ref_loss = F.cross_entropy(ref_model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -261,8 +261,8 @@ def _gpt_kv_shift_step(rank: int, world: int) -> dict[str, dict[str, float]]:
     """Tiny GPT with kv_shift (random gates): loss and every parameter gradient of a sequence-parallel
     step vs the 1-rank step, per KV_SHIFT_CASES."""
     from fpa_model.config import AttentionConfig, ModelConfig
-    from fpa_model.context_parallel import SequenceParallel
     from fpa_model.model import GPT
+    from fpa_model.sequence_parallel import SequenceParallel
 
     out: dict[str, dict[str, float]] = {}
     for layout, mode, extra in KV_SHIFT_CASES:
@@ -492,7 +492,7 @@ def test_not_divisible_is_a_clear_error() -> None:
         shard_sequence(torch.zeros(1, 8), 0, 2, dim=1, layout="ring")
     q = torch.zeros(1, 1, 7, 4)
     with pytest.raises(ValueError, match="divisible by 2"):
-        context_parallel_attention(q, q, q, torch.zeros(1, 1, 7), kind="fpa", layout="zigzag")
+        ring_attention(q, q, q, torch.zeros(1, 1, 7), kind="fpa", layout="zigzag")
 
 
 def test_bad_arguments() -> None:
@@ -500,11 +500,11 @@ def test_bad_arguments() -> None:
         ulysses_attention(*[torch.zeros(1, 1, 8, 4)] * 3, torch.zeros(1, 1, 8), kind="linear")
     q = torch.zeros(1, 1, 8, 4)
     with pytest.raises(ValueError, match="needs the field"):
-        context_parallel_attention(q, q, q, None, kind="fpa")
+        ring_attention(q, q, q, None, kind="fpa")
     with pytest.raises(ValueError, match="unknown field mode"):
-        context_parallel_attention(q, q, q, torch.zeros(1, 1, 8), kind="fpa", field="sum")
+        ring_attention(q, q, q, torch.zeros(1, 1, 8), kind="fpa", field="sum")
     with pytest.raises(ValueError, match="u_or_phi must be"):
-        context_parallel_attention(q, q, q, torch.zeros(1, 1, 4), kind="fox")
+        ring_attention(q, q, q, torch.zeros(1, 1, 4), kind="fox")
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -527,7 +527,7 @@ def test_bf16_inputs_keep_dtype_and_track_fp32() -> None:
     lo = {n: t[n].to(torch.bfloat16) for n in ("q", "k", "v")}
     leaves = {n: x.clone().requires_grad_() for n, x in lo.items()}
     u = t["pre"].float().requires_grad_()
-    out = context_parallel_attention(leaves["q"], leaves["k"], leaves["v"], u, kind="fpa", block_size=8)
+    out = ring_attention(leaves["q"], leaves["k"], leaves["v"], u, kind="fpa", block_size=8)
     out.backward(t["dout"].to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and leaves["q"].grad.dtype == torch.bfloat16
     ref = _reference(
@@ -541,7 +541,7 @@ def test_bf16_inputs_keep_dtype_and_track_fp32() -> None:
 
 def test_sp_cross_entropy_single_rank_value_and_grad_scale() -> None:
     """One rank: the plain mean cross-entropy (ignored targets excluded); grad_scale scales only gradients."""
-    from pipeline.sequence_parallel import sequence_parallel_cross_entropy
+    from pipeline.trainer.sequence_parallel import sequence_parallel_cross_entropy
 
     logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
     targets = torch.tensor([[1, 2, 3, -100, 4, 5], [6, 7, 8, 9, 10, -100]])
@@ -584,10 +584,10 @@ def test_ring_impl_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="equal head dims <= 128"):
         cp._resolve_impl("triton", q, q, torch.zeros(1, 2, 8, 8))
     with pytest.raises(ValueError, match="unknown attention impl"):
-        context_parallel_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="flash")
+        ring_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="flash")
     monkeypatch.setattr(tk, "_INTERPRET", False)
     with pytest.raises(RuntimeError, match="impl 'triton' is unavailable here.*CUDA tensors"):
-        context_parallel_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="triton")
+        ring_attention(q, q, q, torch.zeros(1, 2, 8), kind="fpa", impl="triton")
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -1,8 +1,8 @@
 """Sequence parallelism on the training side: the process groups and the loss over a split sequence.
 
 The attention math across ranks (the ring, Ulysses, how a sequence is cut into chunks) lives in
-fpa_model.context_parallel; a model attends across a group once it is given a
-fpa_model.context_parallel.SequenceParallel (GPT.set_sequence_parallel). This module holds what only a
+fpa_model.sequence_parallel; a model attends across a group once it is given a
+fpa_model.sequence_parallel.SequenceParallel (GPT.set_sequence_parallel). This module holds what only a
 trainer needs: carving the world into data-parallel x sequence-parallel groups, and the mean token loss
 over the whole sequences of a group.
 """

@@ -328,7 +328,7 @@ def _tile_m(
     return torch.where(m_wins, m, pref), m_wins
 
 
-class _ContextParallelAttention(torch.autograd.Function):
+class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
@@ -589,7 +589,7 @@ def _validate(
     return u_or_phi
 
 
-def context_parallel_attention(
+def ring_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -633,16 +633,14 @@ def context_parallel_attention(
     if q.shape[-2] % n_local:
         raise ValueError(
             f"local sequence length {q.shape[-2]} must be divisible by {n_local} ({layout} layout: each rank "
-            f"holds {n_local} chunks); shard with fpa_model.context_parallel.shard_sequence"
+            f"holds {n_local} chunks); shard with fpa_model.sequence_parallel.shard_sequence"
         )
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
     # Resolved before any communication: a forced impl that cannot run fails on every rank alike.
     impl = _resolve_impl(impl, q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _ContextParallelAttention.apply(
-        q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl
-    )
+    return _RingAttention.apply(q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -773,7 +771,7 @@ def ulysses_attention(
     impl: str = "auto",
     segment_ids: Tensor | None = None,
 ) -> Tensor:
-    """Same contract as context_parallel_attention, by all-to-all over heads (DeepSpeed-Ulysses).
+    """Same contract as ring_attention, by all-to-all over heads (DeepSpeed-Ulysses).
 
     Each rank gathers the whole sequence for H/W of the heads (H must be divisible by W), builds the
     field with a plain cumsum, runs fpa_attention (impl as given) and scatters the output back. Moves
@@ -817,9 +815,9 @@ class SequenceParallel:
     """The parallel context of an attention layer whose input is one rank's part of the sequence.
 
     group: the ranks sharing one sequence (a torch.distributed group; None: the default world group);
-    layout: how the sequence is cut over them (LAYOUTS); mode: "ring" (context_parallel_attention) or
+    layout: how the sequence is cut over them (LAYOUTS); mode: "ring" (ring_attention) or
     "ulysses" (all-to-all over heads, ulysses_attention). Process groups are made by the trainer
-    (pipeline.sequence_parallel.make_groups); the model only receives them here.
+    (pipeline.trainer.sequence_parallel.make_groups); the model only receives them here.
     """
 
     group: Any = None
@@ -892,9 +890,9 @@ def sequence_parallel_attention(
     impl: str = "auto",
     segment_ids: Tensor | None = None,
 ) -> Tensor:
-    """context_parallel_attention or ulysses_attention over sp's group and layout, as sp.mode says.
+    """ring_attention or ulysses_attention over sp's group and layout, as sp.mode says.
     segment_ids: the whole sequence's (B, T) document ids, the same on every rank."""
-    attend = ulysses_attention if sp.mode == "ulysses" else context_parallel_attention
+    attend = ulysses_attention if sp.mode == "ulysses" else ring_attention
     return attend(
         q, k, v, u_or_phi, kind=kind, field=field, group=sp.group, layout=sp.layout, block_size=block_size,
         impl=impl, segment_ids=segment_ids,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from pipeline.checkpointer import TrainState
 from pipeline.config import TrainConfig
-from pipeline.deepspeed_internals import discard_step, skipped_steps
 from pipeline.errors import TrainingError
-from pipeline.metrics import Metrics
+from pipeline.trainer.deepspeed_internals import discard_step, skipped_steps
+from pipeline.trainer.metrics import Metrics
+from pipeline.trainer.train_state import TrainState
 
 
 def drop_step(engine: Any, step: int, zero_stage: int, precision: str) -> None:
@@ -23,7 +23,7 @@ def drop_step(engine: Any, step: int, zero_stage: int, precision: str) -> None:
 
     ZeRO-0 never backpropagated the bad loss and discards the gradients by hand; ZeRO 1-3 backpropagated a
     non-finite loss, so DeepSpeed's own non-finite-norm check drops the step and resets its buffers
-    (pipeline.deepspeed_internals).
+    (pipeline.trainer.deepspeed_internals).
     """
     if zero_stage == 0:
         discard_step(engine)

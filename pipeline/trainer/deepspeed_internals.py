@@ -1,6 +1,6 @@
 """The one place that relies on DeepSpeed beyond its public API (pyproject pins deepspeed==0.19.8).
 
-A training step that must not update the model (a non-finite loss, a loss spike: pipeline.guards) is
+A training step that must not update the model (a non-finite loss, a loss spike: pipeline.trainer.guards) is
 dropped at the accumulation boundary, and DeepSpeed has no public call for that:
 
 - ZeRO-0: `engine.step()` at the boundary would apply the gradients. `discard_step` shadows the engine's
