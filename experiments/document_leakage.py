@@ -1,7 +1,7 @@
 """How much attention leaks into earlier documents of a packed window, by distance from the boundary, in
 models trained without the document mask; and whether FPA (or FoX) learned to erase at the eod token.
 
-    python -m experiments.document_leakage runs/kind.kind-*.seed-*  [--splits validation wiki]
+    python experiments/document_leakage.py runs/kind.kind-*  [--splits validation wiki]
         [--windows 184] [--out docs/results/document_leakage]
 
 For every unmasked run (config.yaml and export/), the first `--windows` windows of each split (the
