@@ -473,7 +473,7 @@ def run_synthetic(
     cfg: SynthConfig | None = None,
     log: Callable[[str], None] | None = print,
 ) -> list[dict]:
-    """Train every (task, kind, seed), write results.{md,csv,json} and synthetic.png into out_dir.
+    """Train every (task, kind, seed), write result.{md,csv,json} and synthetic.png into out_dir.
 
     quick: a short version (250 steps, 128 eval sequences) for smoke checks; steps overrides both.
     Returns one record per run (curve included).
@@ -547,9 +547,9 @@ def _write_outputs(
     w = csv.DictWriter(buf, fieldnames=list(_FIELDS), lineterminator="\n")
     w.writeheader()
     w.writerows(rows)
-    atomic("results.csv", buf.getvalue())
+    atomic("result.csv", buf.getvalue())
     atomic(
-        "results.json",
+        "result.json",
         json.dumps(
             {
                 "config": asdict(cfg),
@@ -560,7 +560,7 @@ def _write_outputs(
             indent=1,
         ),
     )
-    atomic("results.md", format_markdown(records, cfg, constructed, chance))
+    atomic("result.md", format_markdown(records, cfg, constructed, chance))
     _plot(out_dir / "synthetic.png", records, cfg)
 
 
@@ -698,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = run_synthetic(
         a.out, tasks=a.tasks, kinds=a.kinds, seeds=range(a.seeds), steps=a.steps, quick=a.quick, cfg=cfg
     )
-    print((a.out / "results.md").read_text())
+    print((a.out / "result.md").read_text())
     return 0 if records else 1
 
 

@@ -19,7 +19,7 @@ first (or, with data.prepare_parts > 1, a plan job, a job array of parts and a m
 training job array whose element i trains run i (its overrides are line i of
 <runs_dir>/sweeps/<name>/slurm/runs.tsv), and an eval job array whose element i starts once training
 element i succeeded (aftercorr). `collect_sweep` reads every run's eval/report.json into
-results.md, results.csv, results.png and results-grouped.png (launch/sweep_plots.py) in the same folder.
+result.md, result.csv, result.png and result-grouped.png (launch/sweep_plots.py) in the same folder.
 """
 
 from __future__ import annotations
@@ -368,8 +368,8 @@ def _fmt(x: float | None) -> str:
 
 
 def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
-    """Gather every run's <run_dir>/eval/report.json into results.md, results.csv, results.png and
-    results.json (the table with the collect command, commit and machine, and the commit each run was
+    """Gather every run's <run_dir>/eval/report.json into result.md, result.csv, result.png and
+    result.json (the table with the collect command, commit and machine, and the commit each run was
     trained at) under `out`, default <runs_dir>/sweeps/<name>/ (missing values show as "-"); return it."""
     # Here, not at the top: the evaluation package imports torch, which launching does not otherwise need.
     from launch.sweep_plots import plot_grouped, run_series
@@ -428,7 +428,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     writer.writerow(columns)
     for row in table:
         writer.writerow(["" if row[c] is None else row[c] for c in columns])
-    (out_dir / "results.csv").write_text(buf.getvalue())
+    (out_dir / "result.csv").write_text(buf.getvalue())
 
     found = sum(r["status"] == "ok" for r in table)
     commits = sorted({c[:10] for c in trained_at.values() if c})
@@ -448,7 +448,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
         text += ["## Mean ± std over seeds\n", summary]
     if complete:
         text += ["## Details (runs with a complete report)\n", compare_reports(complete)]
-    (out_dir / "results.md").write_text("\n".join(text))
+    (out_dir / "result.md").write_text("\n".join(text))
     record = {
         "sweep": sweep.name,
         "provenance": prov,
@@ -457,8 +457,8 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
         "columns": columns,
         "runs": table,
     }
-    (out_dir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    _plot(out_dir / "results.png", sweep.name, table, curves)
+    (out_dir / "result.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    _plot(out_dir / "result.png", sweep.name, table, curves)
     # Grouped by the swept axis (the grid values but the seed): mean +- 1 std over seeds per group.
     by = [k for k in keys if k != "seed"]
     grouped = [
@@ -468,7 +468,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
         )
         for run, rep in zip(sweep.runs, reports)
     ]
-    plot_grouped(out_dir / "results-grouped.png", sweep.name, grouped)
+    plot_grouped(out_dir / "result-grouped.png", sweep.name, grouped)
     return out_dir
 
 

@@ -2,7 +2,7 @@
 than the seed, e.g. one per attention kind), the mean over seeds with a +-1 std band.
 
     series = run_series(run_dir, report)             # one run's curves
-    plot_grouped(path, title, [(group, series), ...])  # results-grouped.png
+    plot_grouped(path, title, [(group, series), ...])  # result-grouped.png
 
 Panels: the training loss by step (each run's metrics.jsonl), the validation loss by position at the
 longest length evaluated, and the accuracy by length (x the training length) of the passkey and of each

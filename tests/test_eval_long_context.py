@@ -181,7 +181,7 @@ def test_evaluate_runs_the_tasks_into_report_wandb_and_sweep(tmp_path: Path, dat
         (run.run_dir / "eval").mkdir(parents=True)
         (run.run_dir / "eval" / "report.json").write_text(json.dumps({**rep, "long_context": section}))
     got = collect_sweep(sweep)
-    header, first, second = (got / "results.csv").read_text().splitlines()
+    header, first, second = (got / "result.csv").read_text().splitlines()
     names = header.split(",")
     i = names.index("lc:overwrite-2")
     assert names[i : i + 3] == ["lc:overwrite-2", "lc:overwrite-2/compressed", "lc:overwrite-2/longest"]

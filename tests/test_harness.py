@@ -212,7 +212,7 @@ def test_sweep_collect_has_a_column_per_harness_score(tmp_path: Path) -> None:
         (run.run_dir / "eval").mkdir(parents=True)
         (run.run_dir / "eval" / "report.json").write_text(json.dumps(report))
     out = collect_sweep(sweep)
-    header, first, second = (out / "results.csv").read_text().splitlines()
+    header, first, second = (out / "result.csv").read_text().splitlines()
     assert header.split(",")[-2:] == ["harness:kjv/acc", "status"]
     assert first.split(",")[-2:] == ["0.625", "ok"] and second.split(",")[-2:] == ["", "ok"]
-    assert "harness:kjv/acc" in (out / "results.md").read_text()
+    assert "harness:kjv/acc" in (out / "result.md").read_text()

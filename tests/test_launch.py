@@ -465,7 +465,7 @@ def test_collect_sweep_table_csv_plot_and_seed_means(tmp_path: Path) -> None:
     out = collect_sweep(sweep)
     assert out == tmp_path / "runs" / "sweeps" / "abl"
 
-    rows = (out / "results.csv").read_text().splitlines()
+    rows = (out / "result.csv").read_text().splitlines()
     assert rows[0] == (
         "run,kind,seed,final_val_loss,ppl_train_len,ppl_longest,passkey_accuracy,"
         "passkey_accuracy_compressed,passkey_longest,cache_fraction,status"
@@ -473,13 +473,13 @@ def test_collect_sweep_table_csv_plot_and_seed_means(tmp_path: Path) -> None:
     assert rows[1] == "abl.kind-fpa.seed-1,fpa,1,2.0,20.0,30.0,1.0,0.5,,0.25,ok"  # no per-length accuracy
     assert rows[4] == "abl.kind-softmax.seed-2,softmax,2,,,,,,,,unreadable"
 
-    md = (out / "results.md").read_text()
+    md = (out / "result.md").read_text()
     assert "| abl.kind-softmax.seed-2 | softmax | 2 | - | - | - | - | - | - | - | unreadable |" in md
     # Seeds averaged: fpa loss (2 + 4) / 2 = 3 ± sqrt(2); softmax has one readable seed.
     assert "| fpa | 3 ± 1.4 (n=2) |" in md and "| softmax | 3 (n=1) |" in md
     assert "## Details" in md and "Passkey accuracy by length" not in md  # no per-length data given
 
-    png = (out / "results.png").read_bytes()
+    png = (out / "result.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
@@ -495,16 +495,16 @@ def test_collect_has_a_loss_column_per_heldout_split(tmp_path: Path) -> None:
         (run.run_dir / "eval").mkdir(parents=True)
         (run.run_dir / "eval" / "report.json").write_text(json.dumps(rep))
     out = collect_sweep(sweep)
-    rows = (out / "results.csv").read_text().splitlines()
+    rows = (out / "result.csv").read_text().splitlines()
     assert rows[0].endswith("cache_fraction,loss:validation,loss:wiki,status")
     assert rows[1].endswith(",2.0,5.0,ok") and rows[2].endswith(",4.0,6.0,ok")  # the training length's loss
     assert rows[3].endswith(",,,missing")
-    md = (out / "results.md").read_text()
+    md = (out / "result.md").read_text()
     assert "| fpa | 3 ± 1.4 (n=2) |" in md and "5.5 ± 0.71 (n=2)" in md  # seed means of both splits
 
 
 def test_collect_says_where_its_figures_came_from(tmp_path: Path) -> None:
-    """results.md/json name the collect command, its commit and machine, and the commit each run was
+    """result.md/json name the collect command, its commit and machine, and the commit each run was
     trained at; --out writes them elsewhere (docs/results/<name>/ for the README)."""
     sweep = write_sweep(tmp_path, SWEEP)
     runs = load_sweep(sweep).runs
@@ -520,7 +520,7 @@ def test_collect_says_where_its_figures_came_from(tmp_path: Path) -> None:
         (runs[0].run_dir / "manifests" / f"{stage}.json").write_text(json.dumps(manifest))
     out = collect_sweep(sweep, out=tmp_path / "docs" / "abl")
     assert out == tmp_path / "docs" / "abl" and not (tmp_path / "runs" / "sweeps" / "abl").exists()
-    record = json.loads((out / "results.json").read_text())
+    record = json.loads((out / "result.json").read_text())
     prov = record["provenance"]
     assert prov["command"] == f"fpa sweep {sweep} --collect --out {tmp_path / 'docs' / 'abl'}"
     assert len(prov["commit"]) == 40 and prov["machine"]["cores"] >= 1
@@ -528,7 +528,7 @@ def test_collect_says_where_its_figures_came_from(tmp_path: Path) -> None:
     assert record["evaluated_at"][runs[0].name] == "ef" * 20
     assert record["trained_at"][runs[1].name] == "ab" * 20 and record["trained_at"][runs[2].name] is None
     assert [r["final_val_loss"] for r in record["runs"][:2]] == [2.0, 3.0]
-    md = (out / "results.md").read_text()
+    md = (out / "result.md").read_text()
     assert prov["command"] in md and prov["commit"][:10] in md
     assert "trained at commit ababababab, cdcdcdcdcd, evaluated at ababababab, efefefefef." in md
 
@@ -542,12 +542,12 @@ def test_ppl_curve_takes_the_longest_length_in_perplexity() -> None:
 
 def test_collect_with_no_reports_still_writes_everything(tmp_path: Path) -> None:
     out = collect_sweep(write_sweep(tmp_path, SWEEP))
-    md = (out / "results.md").read_text()
+    md = (out / "result.md").read_text()
     assert "4 runs, 0 with an eval report" in md and md.count("| missing |") == 4
     assert "## Details" not in md
-    assert (out / "results.png").stat().st_size > 0
-    assert re.search(r"abl.kind-fpa.seed-1,fpa,1,,,,,,,,missing", (out / "results.csv").read_text())
-    assert os.access(out / "results.csv", os.R_OK)
+    assert (out / "result.png").stat().st_size > 0
+    assert re.search(r"abl.kind-fpa.seed-1,fpa,1,,,,,,,,missing", (out / "result.csv").read_text())
+    assert os.access(out / "result.csv", os.R_OK)
 
 
 @pytest.mark.parametrize("name", ["kind", "field"])
@@ -577,7 +577,7 @@ def test_collect_reports_the_passkey_accuracy_at_the_longest_length(tmp_path: Pa
         (run.run_dir / "eval").mkdir(parents=True)
         (run.run_dir / "eval" / "report.json").write_text(json.dumps(rep))
     out = collect_sweep(sweep)
-    rows = (out / "results.csv").read_text().splitlines()
+    rows = (out / "result.csv").read_text().splitlines()
     col = rows[0].split(",").index("passkey_longest")
     assert [r.split(",")[col] for r in rows[1:3]] == ["0.32", "1.0"]
-    assert "0.66 ± 0.48 (n=2)" in (out / "results.md").read_text()
+    assert "0.66 ± 0.48 (n=2)" in (out / "result.md").read_text()

@@ -362,13 +362,13 @@ grid:
         assert meta["world_size"] == 2
         assert not (run.run_dir / "data").exists()  # the shared copy was used
     out = collect_sweep(sweep)
-    rows = (out / "results.csv").read_text().splitlines()
+    rows = (out / "result.csv").read_text().splitlines()
     assert [r.split(",")[:2] for r in rows[1:]] == [[runs[0].name, "fpa"], [runs[1].name, "softmax"]]
     for row in rows[1:]:
         cells = row.split(",")
         assert cells[-1] == "ok" and float(cells[2]) > 0  # final_val_loss
-    assert "| mini.kind-fpa |" in (out / "results.md").read_text()
-    assert (out / "results.png").stat().st_size > 10_000
+    assert "| mini.kind-fpa |" in (out / "result.md").read_text()
+    assert (out / "result.png").stat().st_size > 10_000
 
 
 def test_cluster_script_status_reports_the_daemons(cluster: Path) -> None:

@@ -53,7 +53,7 @@ def test_collect_writes_the_grouped_figure_from_reports_and_metrics(tmp_path: Pa
     assert series["accuracy: passkey"] == {1.0: 1.0, 2.0: pytest.approx(0.6)}
     assert series["accuracy: overwrite-3"] == {1.0: 0.25, 2.0: 0.0}
     out = collect_sweep(sweep)
-    png = (out / "results-grouped.png").read_bytes()
+    png = (out / "result-grouped.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     names = sweep_plots.plot_grouped(
         tmp_path / "p.png",

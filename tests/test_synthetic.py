@@ -140,19 +140,19 @@ def test_run_synthetic_writes_consistent_report(tmp_path) -> None:
         tmp_path, tasks=["recency"], kinds=["fox", "softmax"], seeds=[0, 1], steps=20, cfg=cfg, log=None
     )
     assert [(r["kind"], r["seed"]) for r in recs] == [("fox", 0), ("fox", 1), ("softmax", 0), ("softmax", 1)]
-    with open(tmp_path / "results.csv") as f:
+    with open(tmp_path / "result.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4
     for row, rec in zip(rows, recs):
         assert float(row["final_acc"]) == pytest.approx(rec["final_acc"])
         assert row["converged"] == str(rec["converged"])
-    data = json.loads((tmp_path / "results.json").read_text())
+    data = json.loads((tmp_path / "result.json").read_text())
     assert data["config"]["steps"] == 20 and len(data["runs"]) == 4
     assert data["runs"][0]["curve"] == [
         [10, pytest.approx(recs[0]["curve"][0][1])],
         [20, pytest.approx(recs[0]["final_acc"])],
     ]
-    md = (tmp_path / "results.md").read_text()
+    md = (tmp_path / "result.md").read_text()
     assert "| recency | fox | 1 |" in md and "fox" in md.splitlines()[6]
     assert (tmp_path / "synthetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*tmp*"))
@@ -172,5 +172,5 @@ def test_main_runs_a_tiny_grid(tmp_path, capsys) -> None:
     rc = main(["--tasks", "recency", "--kinds", "softmax", "--seeds", "1", "--steps", "5", "--out", str(out)])
     assert rc == 0
     assert "| recency | softmax | 0 |" in capsys.readouterr().out
-    rec = json.loads((out / "results.json").read_text())["runs"][0]
+    rec = json.loads((out / "result.json").read_text())["runs"][0]
     assert rec["steps"] == 5 and rec["token_increments"] is None  # softmax has no field
