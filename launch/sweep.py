@@ -372,7 +372,7 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     result.json (the table with the collect command, commit and machine, and the commit each run was
     trained at) under `out`, default <runs_dir>/sweeps/<name>/ (missing values show as "-"); return it."""
     # Here, not at the top: the evaluation package imports torch, which launching does not otherwise need.
-    from launch.sweep_plots import plot_grouped, run_series
+    from launch.sweep_plots import accuracy_tables, plot_grouped, run_series
     from pipeline.evaluation.report import (
         METRICS,
         check_report,
@@ -446,6 +446,18 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     summary = _group_summary(table, [short[k] for k in keys], (*METRICS, *harness_cols))
     if summary:
         text += ["## Mean ± std over seeds\n", summary]
+    # Grouped by the swept axis (the grid values but the seed): mean +- 1 std over seeds per group.
+    by = [k for k in keys if k != "seed"]
+    grouped = [
+        (
+            ", ".join(f"{short[k]}={format_value(run.values[k])}" for k in by) or sweep.name,
+            run_series(run.run_dir, rep),
+        )
+        for run, rep in zip(sweep.runs, reports)
+    ]
+    by_length = accuracy_tables(grouped)
+    if by_length:
+        text += ["## Accuracy by length, mean ± std over seeds\n", by_length]
     if complete:
         text += ["## Details (runs with a complete report)\n", compare_reports(complete)]
     (out_dir / "result.md").write_text("\n".join(text))
@@ -459,15 +471,6 @@ def collect_sweep(path: str | Path, out: str | Path | None = None) -> Path:
     }
     (out_dir / "result.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     _plot(out_dir / "result.png", sweep.name, table, curves)
-    # Grouped by the swept axis (the grid values but the seed): mean +- 1 std over seeds per group.
-    by = [k for k in keys if k != "seed"]
-    grouped = [
-        (
-            ", ".join(f"{short[k]}={format_value(run.values[k])}" for k in by) or sweep.name,
-            run_series(run.run_dir, rep),
-        )
-        for run, rep in zip(sweep.runs, reports)
-    ]
     plot_grouped(out_dir / "result-grouped.png", sweep.name, grouped)
     return out_dir
 

@@ -3,6 +3,7 @@ than the seed, e.g. one per attention kind), the mean over seeds with a +-1 std 
 
     series = run_series(run_dir, report)             # one run's curves
     plot_grouped(path, title, [(group, series), ...])  # result-grouped.png
+    accuracy_tables([(group, series), ...])            # the accuracy panels as mean +- std tables
 
 Panels: the training loss by step (each run's metrics.jsonl), the validation loss by position at the
 longest length evaluated, and the accuracy by length (x the training length) of the passkey and of each
@@ -146,3 +147,36 @@ def plot_grouped(path: Path, title: str, runs: list[tuple[str, dict[str, Curve]]
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return names
+
+
+def accuracy_tables(runs: list[tuple[str, dict[str, Curve]]]) -> str:
+    """The accuracy panels of `plot_grouped` as markdown: per task a table, a row per group, a column per
+    length (x the training length), "mean ± std (n)" over the group's runs that have that length ("" when
+    no run has an accuracy series)."""
+    from pipeline.provenance import markdown_table  # here: it imports torch
+
+    names = sorted({k for _, s in runs for k in s if k.startswith("accuracy: ")})
+    names.sort(key=lambda k: k != "accuracy: passkey")  # the passkey first, then the tasks by name
+    groups = list(dict.fromkeys(g for g, _ in runs))
+    out: list[str] = []
+    for name in names:
+        xs = sorted({x for _, s in runs for x in s.get(name, {})})
+        rows = []
+        for group in groups:
+            curves = [s[name] for g, s in runs if g == group and name in s]
+            if not curves:
+                continue
+            cells = [group]
+            for x in xs:
+                vals = [c[x] for c in curves if x in c]
+                if not vals:
+                    cells.append("-")
+                elif len(vals) == 1:
+                    cells.append(f"{vals[0]:.3g} (n=1)")
+                else:
+                    mean, std = statistics.mean(vals), statistics.stdev(vals)
+                    cells.append(f"{mean:.3g} ± {std:.2g} (n={len(vals)})")
+            rows.append(cells)
+        task = name.removeprefix("accuracy: ")
+        out += [f"{task}, full cache:\n", markdown_table(["group", *(f"{x:g}x" for x in xs)], rows) + "\n"]
+    return "\n".join(out)

@@ -63,3 +63,23 @@ def test_collect_writes_the_grouped_figure_from_reports_and_metrics(tmp_path: Pa
     assert names == ["train loss", "loss by position", "accuracy: passkey", "accuracy: overwrite-3"]
     assert sweep_plots.plot_grouped(tmp_path / "none.png", "g", [("a", {})]) == []
     assert not (tmp_path / "none.png").exists()
+    # The same accuracy panels as tables in result.md: runs 0, 1 are kind=fpa, runs 2, 3 kind=softmax.
+    md = (out / "result.md").read_text()
+    section = md.split("## Accuracy by length, mean ± std over seeds\n", 1)[1].split("## ", 1)[0]
+    assert "| kind=fpa | 1 ± 0 (n=2) | 0.55 ± 0.071 (n=2) |" in section  # passkey 2x: 0.5, 0.6
+    assert "| kind=softmax | 1 ± 0 (n=2) | 0.75 ± 0.071 (n=2) |" in section  # 0.7, 0.8
+    assert "| kind=fpa | 0.125 ± 0.18 (n=2) | 0 ± 0 (n=2) |" in section  # overwrite-3 1x: 0, 0.25
+    assert "| kind=softmax | 0.625 ± 0.18 (n=2) | 0 ± 0 (n=2) |" in section  # 0.5, 0.75
+    assert section.index("passkey, full cache") < section.index("overwrite-3, full cache")
+
+
+def test_accuracy_tables_missing_lengths_and_single_runs() -> None:
+    runs = [
+        ("a", {"accuracy: multikey-4": {1.0: 0.5, 2.0: 0.25}, "train loss": {1.0: 3.0}}),
+        ("b", {"accuracy: multikey-4": {1.0: 1.0}}),
+        ("c", {"train loss": {1.0: 2.0}}),  # no accuracy: no row
+    ]
+    md = sweep_plots.accuracy_tables(runs)
+    assert "| a | 0.5 (n=1) | 0.25 (n=1) |" in md and "| b | 1 (n=1) | - |" in md
+    assert "| c |" not in md and "train loss" not in md
+    assert sweep_plots.accuracy_tables([("a", {"train loss": {1.0: 2.0}})]) == ""
