@@ -330,13 +330,44 @@ def answer_rows(
 
 
 def check_task_rows(
-    tokenizer: TokenizerLike, spec: TaskSpec, min_len: int, digits: int, prefix_ids: Sequence[int]
+    tokenizer: TokenizerLike,
+    spec: TaskSpec,
+    min_len: int,
+    digits: int,
+    prefix_ids: Sequence[int],
+    *,
+    max_len: int | None = None,
+    multiple: int = 1,
 ) -> None:
     """Fail at the start of training, not at the phase's first step, when the shortest training prompt
     cannot hold the task (a few draws: names and values change a needle's length by a token or two) or
-    the tokenizer cannot spell its answers."""
+    the tokenizer cannot spell its answers. The error names the shortest min_len (a multiple of
+    `multiple`) that holds the same draws, and whether it needs a larger max_len too."""
     check_digits(tokenizer)
-    try:
-        answer_rows(tokenizer, spec, 8, min_len, digits=digits, rng=random.Random(0), prefix_ids=prefix_ids)
-    except TaskError as e:
-        raise TaskError(f"train.passkey.min_len={min_len}: {e}") from None
+
+    def fits(length: int) -> TaskError | None:
+        try:
+            rng = random.Random(0)
+            answer_rows(tokenizer, spec, 8, length, digits=digits, rng=rng, prefix_ids=prefix_ids)
+        except TaskError as e:
+            return e
+        return None
+
+    error = fits(min_len)
+    if error is None:
+        return
+    step = max(1, multiple)
+    top = 64 * max(min_len, step)
+    length = (min_len // step + 1) * step
+    while length <= top and fits(length) is not None:
+        length += step
+    if length > top:
+        hint = f"no prompt of up to {top} tokens holds it: use a smaller task size"
+    elif max_len is not None and length > max_len:
+        hint = (
+            f"set train.passkey.min_len={length} (or more) and train.passkey.max_len to at least that "
+            f"(now {max_len})"
+        )
+    else:
+        hint = f"set train.passkey.min_len={length} (or more)"
+    raise TaskError(f"train.passkey.min_len={min_len}: {error}; {hint}")

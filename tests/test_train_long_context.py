@@ -71,8 +71,32 @@ def test_bad_task_config_is_one_line(cfg_path, data_dir):  # noqa: F811
     short = load_config([cfg_path], [*BASE, f"data.out_dir={data_dir}", "train.passkey.task=multikey-8"])
     with pytest.raises(
         lc.TaskError, match=r"train.passkey.min_len=96: task multikey-8: a prompt of \d+ tokens"
-    ):
+    ) as err:
         PasskeyBatches(short, derive(short), dp_rank=0)
+    # The error names the shortest min_len that holds the task (here above max_len=128, so it says to
+    # raise that too), and that one starts.
+    fix = re.search(
+        r"set (train.passkey.min_len=(\d+)) \(or more\) and train.passkey.max_len to at least that "
+        r"\(now 128\)",
+        str(err.value),
+    )
+    assert fix and int(fix.group(2)) % 16 == 0, err.value
+    n = int(fix.group(2))
+    task8 = [*BASE, f"data.out_dir={data_dir}", "train.passkey.task=multikey-8", f"model.max_seq_len={n}"]
+    fixed = load_config([cfg_path], [*task8, fix.group(1), f"train.passkey.max_len={n}"])
+    PasskeyBatches(fixed, derive(fixed), dp_rank=0)
+    tight = load_config([cfg_path], [*task8, f"train.passkey.min_len={n - 16}", f"train.passkey.max_len={n}"])
+    with pytest.raises(
+        lc.TaskError, match=f"min_len={n - 16}: .*set train.passkey.min_len={n} \\(or more\\)$"
+    ):
+        PasskeyBatches(tight, derive(tight), dp_rank=0)
+    # A task no prompt holds says so (256 needles of 3 digits, min_len 16: none up to 64 x 16 tokens).
+    huge = load_config(
+        [cfg_path],
+        [*task8, "train.passkey.task=multikey-256", "train.passkey.digits=3", "train.passkey.min_len=16"],
+    )
+    with pytest.raises(lc.TaskError, match=r"no prompt of up to 1024 tokens holds it"):
+        PasskeyBatches(huge, derive(huge), dp_rank=0)
 
 
 def test_fingerprint_of_the_passkey_phase_is_unchanged():

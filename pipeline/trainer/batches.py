@@ -91,7 +91,15 @@ class PasskeyBatches:
         self.start, self.ramp = start, cfg.train.passkey.ramp_steps  # start: the phase's first step
         self.task = parse_task(cfg.train.passkey.task, "train.passkey.task")
         if self.task.name != "passkey":  # the passkey's rows stay data_prep.passkey.answer_rows
-            check_task_rows(self.tokenizer, self.task, self.lo, self.digits, self.prefix)
+            check_task_rows(
+                self.tokenizer,
+                self.task,
+                self.lo,
+                self.digits,
+                self.prefix,
+                max_len=self.hi,
+                multiple=self.multiple,
+            )
         else:
             self._check_fits()
 
