@@ -6,7 +6,7 @@ can reuse them piece by piece:
     q, k, v, u = attn.project(x, pos_offset)        # projections, kv shift, qk-norm, RoPE, field increments
     phi = attn.field_from_increments(u, phi_prev)   # the scalar field phi per head (None for softmax)
     o = fpa_attention(q, k, v, phi, kind=...)       # the attention op (naive / chunked / triton)
-    y = attn.output(o, x)                           # optional output gate, merge heads, out projection
+    y = attn.output(o, x)                           # output norm and gate (optional), merge, out proj
 
 Field parametrizations (docs/design.md, "The first-passage bias"): `walk` u = w_h.x + c_h and
 phi = cumsum(u); `gate` u = logsigmoid(w_h.x + c_h) and phi = cumsum(u) (kind "fox" always uses this
@@ -42,17 +42,23 @@ from fpa_model.sequence_parallel import (
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in fp32 and cast back."""
+    """RMSNorm over the last dimension, computed in fp32 and cast back.
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    heads=None: one gain vector (dim). heads=H: gains (H, dim) for inputs (B, H, T, dim), one vector per
+    head (FoX-Pro's per-head qk-norm and output norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, heads: int | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        w = self.weight.float()
+        if w.dim() == 2:  # (H, dim) against (B, H, T, dim)
+            w = w[:, None, :]
+        return (y * w).to(x.dtype)
 
 
 def log_length_factor(
@@ -134,8 +140,10 @@ class Attention(nn.Module):
         if cfg.kv_shift:
             shift = nn.Linear(d_model, 2 * n_head, bias=True, device="meta")
             self.shift_proj = shift.to_empty(device=self.qkv.weight.device)
-        self.q_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim) if cfg.qk_norm else None
+        qk_heads = n_head if cfg.qk_norm_gains == "per_head" else None
+        self.q_norm = RMSNorm(self.head_dim, heads=qk_heads) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, heads=qk_heads) if cfg.qk_norm else None
+        self.out_norm = RMSNorm(self.head_dim, heads=n_head) if cfg.output_norm else None
 
         if self.use_rope:
             cos, sin = rope_cos_sin(torch.arange(max_seq_len), self.head_dim, cfg.rope_theta)
@@ -173,6 +181,8 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:  # q.k then starts at qk_norm_scale times the plain 1/sqrt(Dh) logit
                 norm.weight.fill_(self.cfg.qk_norm_scale**0.5)
+        if self.out_norm is not None:
+            self.out_norm.weight.fill_(1.0)
         if self.shift_proj is not None:  # gates of exactly 1/2 at init: an even mix with the previous token
             self.shift_proj.weight.zero_()
             self.shift_proj.bias.zero_()
@@ -322,8 +332,11 @@ class Attention(nn.Module):
         return phi
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
-        """Merge heads of o (B,H,T,Dh), apply the optional sigmoid output gate from x, project out."""
+        """The optional per-head output norm of o (B,H,T,Dh), merge heads, the optional sigmoid output
+        gate from x, project out."""
         b, _, t, _ = o.shape
+        if self.out_norm is not None:
+            o = self.out_norm(o)
         y = o.transpose(1, 2).reshape(b, t, self.d_model)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
@@ -423,6 +436,7 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"kind={self.kind}, field={self.field_mode}, heads={self.n_head}, head_dim={self.head_dim}, "
-            f"rope={self.use_rope}, qk_norm={self.cfg.qk_norm}, output_gate={self.cfg.output_gate}, "
+            f"rope={self.use_rope}, qk_norm={self.cfg.qk_norm and self.cfg.qk_norm_gains}, "
+            f"output_norm={self.cfg.output_norm}, output_gate={self.cfg.output_gate}, "
             f"kv_shift={self.cfg.kv_shift}"
         )

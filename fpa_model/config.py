@@ -13,6 +13,9 @@ ATTENTION_IMPLS = ("auto", "naive", "chunked", "triton")
 # Sequence parallelism (fpa_model.sequence_parallel): how a sequence is cut over ranks, how they attend.
 SP_LAYOUTS = ("zigzag", "contiguous")
 SP_MODES = ("ring", "ulysses")
+# qk-norm gains: one (Dh) vector per head (FoX-Pro's default), or one shared by every head (this project's
+# runs before the choice existed, and FoX's old backward-compatible mode).
+QK_NORM_GAINS = ("per_head", "shared")
 
 
 @dataclass
@@ -22,7 +25,13 @@ class AttentionConfig:
     impl: str = "auto"  # auto (triton on CUDA, chunked on CPU) | naive | chunked | triton
     block_size: int = 128  # tile size of the chunked path (CPU: 128-256 measured 10-15% faster than 64)
     output_gate: bool = False  # FoX "Pro": sigmoid gate on the attention output
+    # FoX "Pro": RMSNorm of each head's attention output over its Dh channels, with gains per head and
+    # channel, before the output gate and the out projection.
+    output_norm: bool = False
     qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
+    # per_head: gains (H, Dh) for q and for k; shared: one (Dh) gain across heads. A saved config from
+    # before the key (qk_norm on, no qk_norm_gains) loads as shared (pipeline.config.from_yaml_text).
+    qk_norm_gains: str = "per_head"
     # With qk_norm, |q| = |k| = sqrt(Dh) x gains, so the logits are capped near sqrt(Dh) x gain^2 (5.7 at
     # Dh = 32) and the gains (init 1) move slowly: a head cannot sharpen enough to pick one key out of
     # 8x more keys than it was trained on. This is the logit scale at init as a multiple of 1/sqrt(Dh): the
@@ -54,6 +63,7 @@ class AttentionConfig:
         _check_choice("model.attention.kind", self.kind, ATTENTION_KINDS)
         _check_choice("model.attention.field", self.field, FIELD_MODES)
         _check_choice("model.attention.impl", self.impl, ATTENTION_IMPLS)
+        _check_choice("model.attention.qk_norm_gains", self.qk_norm_gains, QK_NORM_GAINS)
         if len(self.field_bias_init) not in (1, 2):
             raise ValueError(
                 f"model.attention.field_bias_init must hold 1 or 2 values; got {list(self.field_bias_init)}"

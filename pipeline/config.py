@@ -827,6 +827,9 @@ def to_yaml(cfg: RunConfig) -> str:
 def from_yaml_text(text: str) -> RunConfig:
     """Rebuild a typed config from a resolved YAML (as saved in run dirs and checkpoints)."""
     node = OmegaConf.create(text)
+    attention = OmegaConf.select(node, "model.attention")
+    if isinstance(attention, DictConfig) and attention.get("qk_norm") and "qk_norm_gains" not in attention:
+        attention.qk_norm_gains = "shared"  # saved before per-head gains existed: its gains are shared
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), node)
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, RunConfig)

@@ -81,6 +81,10 @@ LATER_TRAIN_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "attention", "qk_norm_scale"): 1.0,
     ("model", "attention", "log_scale_length"): None,
     ("model", "attention", "document_mask"): False,
+    ("model", "attention", "output_norm"): False,
+    # Gains shared across heads were the only kind before the key; it means nothing without qk_norm
+    # (train_inputs drops it then).
+    ("model", "attention", "qk_norm_gains"): "shared",
     ("train", "passkey", "ramp_steps"): 0,
     ("train", "passkey", "task"): "passkey",
 }
@@ -100,6 +104,13 @@ def _drop_later_defaults(inputs: dict[str, Any], later: dict[tuple[str, ...], An
             del node[key]
 
 
+def _model_inputs(model_cfg: Any) -> dict[str, Any]:
+    model = _asdict(model_cfg)
+    if not model["attention"]["qk_norm"]:
+        model["attention"].pop("qk_norm_gains")  # no qk-norm, no gains: the choice changes nothing
+    return model
+
+
 def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     # The global batch, not how it is split (micro batch x accumulation x ranks), defines the run: a job
     # resumed on another number of ranks with the same global batch continues the same training.
@@ -115,7 +126,7 @@ def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "loss_chunk_tokens",
     ):
         train.pop(volatile, None)
-    model = _asdict(cfg.model)
+    model = _model_inputs(cfg.model)
     _drop_later_defaults({"model": model, "train": train})
     index = cfg.data_dir / "index.json"
     return {
@@ -153,7 +164,7 @@ def _export_model(export: Path) -> Any:
     if not config.is_file():
         return "missing"
     try:
-        model = _asdict(from_yaml_text(config.read_text()).model)
+        model = _model_inputs(from_yaml_text(config.read_text()).model)
     except Exception:  # a damaged file: the eval itself reports what is wrong with it
         return f"unreadable {sha256_file(config)}"
     inputs = {"model": model}

@@ -32,7 +32,7 @@ def test_qk_norm_scale_multiplies_every_logit_at_init() -> None:
     plain, scaled = _attn(qk_norm=True), _attn(qk_norm=True, qk_norm_scale=2.5)
     for norm in (scaled.q_norm, scaled.k_norm):
         assert norm is not None
-        torch.testing.assert_close(norm.weight.detach(), torch.full((D // H,), 2.5**0.5))
+        torch.testing.assert_close(norm.weight.detach(), torch.full((H, D // H), 2.5**0.5))
     q1, k1, _, _ = plain.project(x)
     q2, k2, _, _ = scaled.project(x)
     torch.testing.assert_close(

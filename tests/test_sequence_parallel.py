@@ -249,8 +249,9 @@ def _sp_step_errors(
 # held by another rank (or, zigzag, by this rank's other chunk). Both layouts, both modes.
 KV_SHIFT_CASES = [
     ("zigzag", "ring", {"rope": True, "qk_norm": True}),
-    ("contiguous", "ring", {}),
-    ("zigzag", "ulysses", {}),
+    # FoX-Pro's per-head qk-norm gains and output norm (Ulysses: heads are split over the ranks)
+    ("contiguous", "ring", {"qk_norm": True, "output_norm": True, "output_gate": True}),
+    ("zigzag", "ulysses", {"qk_norm": True, "output_norm": True}),
     ("contiguous", "ulysses", {"rope": True}),
     # log-n scaling: each zigzag chunk's queries need their own absolute positions (without RoPE too)
     ("zigzag", "ring", {"qk_norm": True, "log_scale_length": 8}),
@@ -270,10 +271,13 @@ def _gpt_kv_shift_step(rank: int, world: int) -> dict[str, dict[str, float]]:
         cfg = ModelConfig(vocab_size=61, n_layer=2, n_head=4, d_model=32, max_seq_len=64, attention=att)
         torch.manual_seed(0)
         sp_model = GPT(cfg)
-        with torch.no_grad():  # gates away from the 50/50 init
+        with torch.no_grad():  # gates away from the 50/50 init, norm gains different per head
             for blk in sp_model.blocks:
                 blk.attn.shift_proj.weight.normal_(0, 0.5)
                 blk.attn.shift_proj.bias.uniform_(-2.0, 2.0)
+                for norm in (blk.attn.q_norm, blk.attn.k_norm, blk.attn.out_norm):
+                    if norm is not None:
+                        norm.weight.uniform_(0.5, 1.5)
         tokens = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(2))
         sp = SequenceParallel(dist.group.WORLD, layout=layout, mode=mode)
         out[f"{layout}-{mode}"] = _sp_step_errors(sp_model, sp, tokens, rank, world, n_layer=cfg.n_layer)
@@ -421,6 +425,8 @@ def test_gpt_kv_shift_sequence_parallel_matches_one_rank(
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
         errs = r[f"{layout}-{mode}"]
         assert {"blocks.0.attn.shift_proj.weight", "blocks.1.attn.shift_proj.bias"} <= set(errs)
+        if (layout, mode) in (("contiguous", "ring"), ("zigzag", "ulysses")):
+            assert {"blocks.0.attn.out_norm.weight", "blocks.1.attn.q_norm.weight"} <= set(errs)
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
 

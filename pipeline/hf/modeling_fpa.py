@@ -44,7 +44,10 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 def model_config(d: dict[str, Any]) -> ModelConfig:
     """fpa_model's ModelConfig from the dict FPAConfig holds."""
     d = dict(d)
-    attention = AttentionConfig(**d.pop("attention", {}))
+    att = dict(d.pop("attention", {}))
+    if att.get("qk_norm") and "qk_norm_gains" not in att:  # exported before per-head gains: shared ones
+        att["qk_norm_gains"] = "shared"
+    attention = AttentionConfig(**att)
     return ModelConfig(**d, attention=attention)
 
 

@@ -45,11 +45,15 @@ def deepspeed_config(cfg: RunConfig, d: Derived, load_universal: bool = False) -
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices (embeddings included, as in FoX); none on norms, biases, gains."""
+    from fpa_model.attention import RMSNorm
+
+    # Norm gains by module, not by shape: per-head gains (H, Dh) are matrices but still gains.
+    gains = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if p.dim() >= 2 and id(p) not in gains else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
