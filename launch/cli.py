@@ -28,7 +28,7 @@ from pathlib import Path
 from data_prep.errors import DataError
 from launch.slurm import launch_slurm
 from launch.sweep import collect_sweep, run_sweep
-from pipeline.config import ConfigError, RunConfig, derive, load_config, to_yaml
+from pipeline.config import ConfigError, RunConfig, describe_derived, load_config, to_yaml
 from pipeline.generate import add_parser as add_generate_parser
 from pipeline.stages import STAGES, export_dir, run_eval, run_prepare, run_train
 from pipeline.upstream import check_checkpoint, check_data, check_export
@@ -58,7 +58,7 @@ def cmd_print_config(args: argparse.Namespace) -> int:
     cfg = _config(args)
     print(to_yaml(cfg), end="")
     if args.derived:
-        print(f"# derived (world size {args.world_size}): {derive(cfg, args.world_size)}")
+        print(describe_derived(cfg, args.world_size, args.tokens_per_second))
     return 0
 
 
@@ -234,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = with_items("print-config", "print the fully resolved config")
     sp.add_argument("--derived", action="store_true", help="also print derived values (global batch, ...)")
     sp.add_argument("--world-size", type=int, default=1, help="ranks assumed for --derived")
+    sp.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=None,
+        help="with --derived: training throughput per rank, to print the run's wall time",
+    )
     sp.set_defaults(fn=cmd_print_config)
 
     lp = sub.add_parser("launch", help="launch a run on a cluster", description="launch a run on a cluster")

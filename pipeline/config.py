@@ -134,6 +134,10 @@ class SpikeGuardConfig:
 class TrainConfig:
     micro_batch: int = 8  # sequences per rank per micro step
     grad_accum: int = 1
+    # Sequences per optimizer step whatever the world size (a recipe's batch): grad_accum then follows,
+    # global_batch / (micro_batch x data-parallel ranks), which must divide exactly. None: micro_batch x
+    # grad_accum x data-parallel ranks.
+    global_batch: int | None = None
     max_steps: int = 200
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
@@ -186,6 +190,8 @@ class TrainConfig:
         for key in ("micro_batch", "grad_accum", "max_steps", "log_every", "val_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1; got {getattr(self, key)}")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"train.global_batch must be >= 1 or null; got {self.global_batch}")
         for key in ("warmup_steps", "val_every", "max_skipped_steps"):  # val_every 0: no validation
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0; got {getattr(self, key)}")
@@ -485,6 +491,38 @@ class Derived:
     precision: str = "fp32"  # train.precision resolved (auto -> fp32 | bf16): what the engine runs
 
 
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def describe_derived(cfg: RunConfig, world_size: int = 1, tokens_per_second: float | None = None) -> str:
+    """What a run of this config does on world_size ranks, as comment lines (`fpa print-config
+    --derived`): the batch and how it is split, tokens per step, steps and tokens in all, and with
+    tokens_per_second (per rank) the wall time at that throughput."""
+    d = derive(cfg, world_size)
+    t = cfg.train
+    lines = [
+        f"derived for world size {world_size} ({d.data_parallel} data-parallel x {d.sequence_parallel} "
+        "sequence-parallel)",
+        f"  global_batch={d.global_batch} sequences per step = micro_batch {d.micro_batch} x grad_accum "
+        f"{d.grad_accum} x {d.data_parallel} data-parallel ranks",
+        f"  tokens_per_step={d.tokens_per_step} ({d.global_batch} x seq_len {d.seq_len})",
+        f"  max_steps={t.max_steps} (warmup {t.warmup_steps}): {_count(t.max_steps * d.tokens_per_step)} "
+        f"tokens in all (warmup {_count(t.warmup_steps * d.tokens_per_step)})",
+        f"  precision={d.precision}",
+    ]
+    if tokens_per_second is not None:
+        seconds = t.max_steps * d.tokens_per_step / (tokens_per_second * world_size)
+        lines.append(
+            f"  at {_count(tokens_per_second)} tokens/s per rank: {seconds / 3600:.3g} h of training "
+            f"({seconds / t.max_steps:.3g} s per step)"
+        )
+    return "\n".join(f"# {line}" for line in lines)
+
+
 def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
     sp = cfg.parallel.sequence
     if world_size % sp:
@@ -495,7 +533,25 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
     if sp > 1 and cfg.data.seq_len % n_chunks:
         zz = f" x 2 (parallel.sequence_layout=zigzag cuts {n_chunks} chunks)" if n_chunks != sp else ""
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}{zz}")
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp
+    grad_accum = cfg.train.grad_accum
+    if cfg.train.global_batch is not None:
+        per_micro = cfg.train.micro_batch * dp
+        if cfg.train.global_batch % per_micro:
+            fits = [m for m in range(cfg.train.micro_batch, 0, -1) if cfg.train.global_batch % (m * dp) == 0]
+            fix = f"set train.micro_batch={fits[0]}" if fits else "use a world size that divides it"
+            raise ConfigError(
+                f"train.global_batch={cfg.train.global_batch} is not divisible by train.micro_batch="
+                f"{cfg.train.micro_batch} x {dp} data-parallel ranks (world size {world_size}): {fix}"
+            )
+        need = cfg.train.global_batch // per_micro
+        if grad_accum not in (1, need):
+            raise ConfigError(
+                f"train.grad_accum={grad_accum} contradicts train.global_batch={cfg.train.global_batch} "
+                f"(micro_batch {cfg.train.micro_batch} x {dp} ranks needs {need}): leave train.grad_accum "
+                "at 1 (it follows)"
+            )
+        grad_accum = need
+    global_batch = cfg.train.micro_batch * grad_accum * dp
     pk = cfg.train.passkey
     pk_max = cfg.data.seq_len if pk.max_len is None else pk.max_len
     if pk.steps and pk.min_len > pk_max:
@@ -515,7 +571,7 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
         sequence_parallel=sp,
         data_parallel=dp,
         micro_batch=cfg.train.micro_batch,
-        grad_accum=cfg.train.grad_accum,
+        grad_accum=grad_accum,
         global_batch=global_batch,
         seq_len=cfg.data.seq_len,
         tokens_per_step=global_batch * cfg.data.seq_len,

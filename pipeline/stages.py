@@ -122,6 +122,7 @@ def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "checkpoint",
         "micro_batch",
         "grad_accum",
+        "global_batch",  # the derived global batch below is the fingerprint's
         "activation_checkpointing",
         "loss_chunk_tokens",
     ):
