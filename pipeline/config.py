@@ -66,6 +66,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """train.profile: a window of steps traced with torch.profiler (pipeline.trainer.profiling)."""
+
+    start: int = 0  # the first traced step (1-based, as logged); 0: off
+    steps: int = 3  # steps traced from start
+    ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace
+    memory: bool = True  # also the memory: CUDA's allocator snapshot, on CPU the profiler's per-op memory
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.steps < 1:
+            raise ValueError(f"train.profile needs start >= 0 and steps >= 1; got {self.start}, {self.steps}")
+        if any(r < 0 for r in self.ranks):
+            raise ValueError(f"train.profile.ranks must be ranks >= 0; got {list(self.ranks)}")
+
+
+@dataclass
 class PasskeyTrainConfig:
     """A passkey phase at the end of training: in each of the last `steps` optimizer steps, every micro
     step adds `batch` whole passkey prompts (data_prep.passkey.answer_rows) whose loss is on the answer
@@ -167,6 +183,7 @@ class TrainConfig:
     val_batches: int = 8
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     passkey: PasskeyTrainConfig = field(default_factory=PasskeyTrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -190,6 +207,12 @@ class TrainConfig:
         for key in ("micro_batch", "grad_accum", "max_steps", "log_every", "val_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1; got {getattr(self, key)}")
+        last = self.profile.start + self.profile.steps - 1
+        if self.profile.start and last > self.max_steps:
+            raise ValueError(
+                f"train.profile traces steps {self.profile.start}-{last}, past train.max_steps="
+                f"{self.max_steps}: lower train.profile.start or train.profile.steps"
+            )
         if self.global_batch is not None and self.global_batch < 1:
             raise ValueError(f"train.global_batch must be >= 1 or null; got {self.global_batch}")
         for key in ("warmup_steps", "val_every", "max_skipped_steps"):  # val_every 0: no validation

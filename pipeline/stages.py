@@ -123,6 +123,7 @@ def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "micro_batch",
         "grad_accum",
         "global_batch",  # the derived global batch below is the fingerprint's
+        "profile",  # tracing a window changes no weight
         "activation_checkpointing",
         "loss_chunk_tokens",
     ):

@@ -48,6 +48,7 @@ from pipeline.trainer.engine import build_engine, deepspeed_config, param_groups
 from pipeline.trainer.guards import StepPolicy
 from pipeline.trainer.metrics import Metrics, measure_peak_flops
 from pipeline.trainer.preemption import EXIT_PREEMPTED, REQUEUE_ENV, Preempted, StopFlag, requeue_slurm_job
+from pipeline.trainer.profiling import StepProfiler
 from pipeline.trainer.schedule import lr_at
 from pipeline.trainer.step import SeqParallel, StepSetup, document_eod, train_step
 from pipeline.trainer.train_state import Checkpointer, TrainState
@@ -205,6 +206,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
     )
     stop = StopFlag()
     stop.install()
+    profiler = StepProfiler(tc.profile, cfg.run_dir, info.rank, device)
 
     def save() -> Path:
         return ckpt.save(engine, state, batches.state_dict(), logger.run_id if info.is_main else state.run_id)
@@ -214,8 +216,10 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
             t_step = time.perf_counter()
             lr = lr_at(state.step, tc)
             micro_batches = batches.step(state.step, d.grad_accum)
+            profiler.before(state.step + 1)
             result = train_step(engine, state, lr, micro_batches, setup, policy, stop)
             state.step += 1
+            profiler.after(state.step)
             state.tokens_seen += d.tokens_per_step  # language-model tokens (passkey rows are extra)
             if result.loss is not None:
                 state.last_loss = result.loss
@@ -274,6 +278,7 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
         logger.summary({k: v for k, v in summary.items() if v is not None and k != "checkpoint"})
         return summary
     finally:
+        profiler.close()
         stop.restore()
         logger.finish()
         batches.close()

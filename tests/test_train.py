@@ -50,9 +50,11 @@ def reference(cfg_path, tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="module")
 def two_rank(cfg_path, tmp_path_factory) -> tuple[Path, dict]:
-    """2 ranks, ZeRO-2, micro 2 x accum 1: the same global batch as the reference; all 12 steps."""
+    """2 ranks, ZeRO-2, micro 2 x accum 1: the same global batch as the reference; all 12 steps. Steps 6-7
+    are traced on rank 0 (train.profile): the curve still equals the reference's, untraced."""
     runs = tmp_path_factory.mktemp("two")
     over = [*BASE, "train.grad_accum=1", "train.zero_stage=2", "train.checkpoint.keep_last=3"]
+    over += ["train.profile.start=6", "train.profile.steps=2"]
     proc = run_training(cfg_path, [*over, f"runs_dir={runs}"], nproc=2)
     return runs / "t", summary_of(proc)
 
@@ -105,6 +107,27 @@ def test_two_ranks_match_one_rank(reference, two_rank):
     meta = json.loads((two_rank[0] / "checkpoints" / "global_step8" / "COMPLETE").read_text())
     assert meta["world_size"] == 2
     assert two_rank[1]["val_loss"] == pytest.approx(reference[1]["val_loss"], rel=1e-4)
+
+
+def test_profile_window_writes_a_trace_and_the_memory_on_rank_0_only(two_rank):
+    """train.profile.start=6, steps=2 (two_rank): a Chrome trace holding exactly steps 6 and 7 as ranges
+    with the ops inside them, and the per-op CPU memory; rank 1 (not in train.profile.ranks) writes none."""
+    prof = two_rank[0] / "profile"
+    assert sorted(p.name for p in prof.iterdir()) == ["rank0"]
+    assert sorted(p.name for p in (prof / "rank0").iterdir()) == ["memory-6-7.json", "trace-6-7.json"]
+    events = json.loads((prof / "rank0" / "trace-6-7.json").read_text())["traceEvents"]
+    steps = sorted(e["name"] for e in events if e.get("name", "").startswith("train step"))
+    assert steps == ["train step 6", "train step 7"]
+    names = {e.get("name") for e in events}
+    assert {"aten::mm", "aten::add_"} & names, sorted(n for n in names if n)[:20]
+    step6 = next(e for e in events if e.get("name") == "train step 6")
+    inside = [
+        e for e in events if e.get("ph") == "X" and step6["ts"] <= e["ts"] <= step6["ts"] + step6["dur"]
+    ]
+    assert len(inside) > 50  # the step's ops sit inside its range
+    memory = json.loads((prof / "rank0" / "memory-6-7.json").read_text())
+    assert memory["steps"] == [6, 7] and memory["device"] == "cpu"
+    assert memory["ops"][0]["self_cpu_memory_bytes"] != 0 and len(memory["ops"]) > 5
 
 
 @pytest.mark.distributed

@@ -348,3 +348,45 @@ def test_a_passkey_min_len_too_short_for_the_tokenizer_says_what_fits(tmp_path):
     cfg = load_config([], [*over, f"train.passkey.min_len={fix}"])
     x, y = PasskeyBatches(cfg, derive(cfg), 0).batch(0, 0)  # the shortest prompt now fits
     assert x.shape[1] >= fix
+
+
+def test_profile_config_errors_and_a_window_cut_short(tmp_path):
+    """train.profile: bad values and a window past max_steps are one-line errors naming the key; a run that
+    stops inside its window (preempted, say) still writes what it traced; other ranks and off write none."""
+    import torch
+
+    from pipeline.config import ProfileConfig
+    from pipeline.stages import train_inputs
+    from pipeline.trainer.profiling import StepProfiler
+
+    with pytest.raises(ConfigError, match=r"train.profile traces steps 199-201, past train.max_steps=200"):
+        load_config([], ["train.profile.start=199"])
+    with pytest.raises(ConfigError, match="train.profile needs start >= 0 and steps >= 1"):
+        load_config([], ["train.profile.start=2", "train.profile.steps=0"])
+    with pytest.raises(ConfigError, match="train.profile.ranks must be ranks >= 0"):
+        load_config([], ["train.profile.ranks=[-1]"])
+    # Tracing changes no weight: the train fingerprint is the same with and without it.
+    assert train_inputs(load_config([], ["train.profile.start=3"]), 1) == train_inputs(load_config([]), 1)
+
+    cfg = ProfileConfig(start=2, steps=5, ranks=[0, 2])
+    cpu = torch.device("cpu")
+    profs = {r: StepProfiler(cfg, tmp_path, r, cpu) for r in (0, 1)}
+    profs["off"] = StepProfiler(ProfileConfig(), tmp_path / "off", 0, cpu)
+    x = torch.randn(64, 64)
+    for step in (1, 2, 3):
+        for p in profs.values():
+            p.before(step)
+        (x @ x).sum()
+        for p in profs.values():
+            p.after(step)
+    for p in profs.values():
+        p.close()
+    out = tmp_path / "profile"
+    assert sorted(p.name for p in out.iterdir()) == ["rank0"]
+    assert sorted(p.name for p in (out / "rank0").iterdir()) == ["memory-2-3.json", "trace-2-3.json"]
+    events = json.loads((out / "rank0" / "trace-2-3.json").read_text())["traceEvents"]
+    assert sorted(e["name"] for e in events if e.get("name", "").startswith("train step")) == [
+        "train step 2",
+        "train step 3",
+    ]
+    assert not (tmp_path / "off").exists()
