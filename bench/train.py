@@ -1,6 +1,7 @@
 """Training throughput of the tiny model for fpa, fox and softmax side by side (one process, no DeepSpeed).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/train.py [--steps 10] [--impl chunked] [--out bench.json]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/train.py --compile    # each kind eager and compiled, as ratios
     python bench/train.py --preset 110m --dtype bf16 --impl auto --seq-len 2048 --batch 16 --peak-tflops auto
                                    (the GPU acceptance run's loop: bench/gpu_check.sh)
 
@@ -15,8 +16,11 @@ torch's fused scaled_dot_product_attention instead of the shared chunked path.
 MFU denominator: "measured" (a matmul in --dtype on this device), "auto" (the datasheet's dense peak of a
 known GPU: H100 SXM / H200 989 TFLOP/s bf16, else measured) or a number.
 
-Writes docs/results/train_step/result.{json,md} (the tiny preset on CPU; other presets and devices:
-train_step_<preset>_<device>; or --result-dir) with the commit, machine, command and load average;
+--compile adds each kind with its blocks compiled (train.compile: torch.compile, inductor; the attention
+op a custom op), timed interleaved with the eager model after the warm-up that compiles it; the table
+gains compiled / eager. Writes docs/results/train_step/result.{json,md} (the tiny preset on CPU; other
+presets and devices: train_step_<preset>_<device>; --compile: train_step_compile...; or --result-dir)
+with the commit, machine, command and load average;
 --no-result writes none.
 """
 
@@ -109,6 +113,7 @@ def main() -> int:
         "--preset", choices=["tiny", "110m"], default="tiny", help="110m overrides the sizes above"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16: autocast forward + loss")
+    p.add_argument("--compile", action="store_true", help="also each kind with its blocks compiled")
     p.add_argument("--peak-tflops", default="measured", help="MFU denominator: measured, auto or a number")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     p.add_argument("--result-dir", type=Path, default=None, help="default docs/results/train_step")
@@ -119,11 +124,14 @@ def main() -> int:
 
     prov = provenance()
 
-    kinds = args.kinds.split(",")
+    base_kinds = args.kinds.split(",")
+    kinds = base_kinds + ([f"{k} compiled" for k in base_kinds] if args.compile else [])
     device = torch.device("cuda" if torch.cuda.is_available() and args.impl in ("triton", "auto") else "cpu")
     models, opts = {}, {}
     for kind in kinds:
-        models[kind] = build(kind, args).to(device)
+        models[kind] = build(kind.removesuffix(" compiled"), args).to(device)
+        if kind.endswith(" compiled"):
+            models[kind].compile_blocks()
         opts[kind] = torch.optim.AdamW(models[kind].parameters(), lr=1e-3, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
@@ -176,7 +184,15 @@ def main() -> int:
     for kind, r in rows.items():
         ratio = r["median_step_s"] / base["median_step_s"] if base else float("nan")
         r["time_ratio_vs_softmax"] = ratio
-        print(f"{kind:>13} {r['median_step_s']:8.4f} {r['tokens_per_s']:10.0f} {r['mfu']:7.2%} {ratio:10.2f}")
+        if kind.endswith(" compiled"):
+            r["time_ratio_vs_eager"] = (
+                r["median_step_s"] / rows[kind.removesuffix(" compiled")]["median_step_s"]
+            )
+        extra = f" {r['time_ratio_vs_eager']:8.2f}x eager" if "time_ratio_vs_eager" in r else ""
+        print(
+            f"{kind:>20} {r['median_step_s']:8.4f} {r['tokens_per_s']:10.0f} {r['mfu']:7.2%} {ratio:10.2f}"
+            + extra
+        )
     if "fpa" in rows and base:
         ratio = rows["fpa"]["time_ratio_vs_softmax"]
         verdict = "meets" if ratio <= 1.3 else "MISSES"
@@ -199,6 +215,8 @@ def main() -> int:
             if (args.preset, device.type) == ("tiny", "cpu")
             else f"train_step_{args.preset}_{device.type}"
         )
+        if args.compile:
+            name = name.replace("train_step", "train_step_compile", 1)
         setup = {
             "preset": args.preset,
             "n_params": n_params,
@@ -216,6 +234,7 @@ def main() -> int:
             "warmup": args.warmup,
             "peak_tflops": peak / 1e12,
             "peak_source": peak_source,
+            "compile": args.compile,
         }
         data = {**setup, "rows": rows, "provenance": prov}
         out = write_result(name, data, result_markdown(setup, rows, prov), args.result_dir)
@@ -240,13 +259,28 @@ def result_markdown(setup: dict, rows: dict, prov: dict) -> str:
         f"{s['steps']} steps per kind after {s['warmup']} warm-up, kinds interleaved. MFU: against a peak of "
         f"{s['peak_tflops']:.3g} TFLOP/s, {s['peak_source']} in the same process.",
         "",
-        "| kind | step s | tokens/s | MFU | step time / softmax |",
-        "|---|---|---|---|---|",
+    ]
+    compiled = s.get("compile", False)
+    if compiled:
+        lines[-1] += (
+            " Compiled: the blocks under torch.compile (inductor; train.compile), timed after the warm-up"
+            " that compiles them, interleaved with the eager models."
+        )
+        lines.append("")
+    lines += [
+        "| kind | step s | tokens/s | MFU | step time / softmax |"
+        + (" compiled / eager |" if compiled else ""),
+        "|---|---|---|---|---|" + ("---|" if compiled else ""),
     ]
     for kind, r in rows.items():
+        eager = (
+            f" {r['time_ratio_vs_eager']:.2f}x |"
+            if "time_ratio_vs_eager" in r
+            else (" - |" if compiled else "")
+        )
         lines.append(
             f"| {kind} | {r['median_step_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-            f"{r['time_ratio_vs_softmax']:.2f}x |"
+            f"{r['time_ratio_vs_softmax']:.2f}x |{eager}"
         )
     return "\n".join(lines)
 

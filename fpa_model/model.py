@@ -8,6 +8,7 @@ the KV-cache decoder can run the blocks one step at a time with `Block.attn.proj
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +116,12 @@ class GPT(nn.Module):
         if keep is not None:
             x = x[keep]
         return self.lm_head(x) if head else x
+
+    def compile_blocks(self, **options: Any) -> None:
+        """torch.compile every block in place (parameter names and checkpoints unchanged); options go to
+        torch.compile. The attention op inside is one custom-op node (fpa_model.ops.fpa.library)."""
+        for block in self.blocks:
+            block.compile(**options)
 
     def set_sequence_parallel(self, sp: SequenceParallel | None) -> int:
         """Every attention layer attends across sp's group (None: whole sequences here); returns the count.

@@ -173,6 +173,9 @@ class TrainConfig:
     max_skipped_steps: int = 10  # stop once this many steps were skipped for non-finite loss (or spikes)
     spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # torch.compile each block (inductor); the attention op is a custom op (fpa_model.ops.fpa.library), so
+    # a block compiles to one graph. The same losses as eager to float tolerance.
+    compile: bool = False
     # LM head + cross-entropy over chunks of this many tokens, never all fp32 logits at once (0: off)
     loss_chunk_tokens: int = 0
     adam_eps: float = 1e-8
@@ -556,6 +559,16 @@ def derive(cfg: RunConfig, world_size: int = 1) -> Derived:
     if sp > 1 and cfg.data.seq_len % n_chunks:
         zz = f" x 2 (parallel.sequence_layout=zigzag cuts {n_chunks} chunks)" if n_chunks != sp else ""
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.sequence={sp}{zz}")
+    if cfg.train.compile and sp > 1:
+        raise ConfigError(
+            f"train.compile does not serve sequence parallelism (parallel.sequence={sp}: its collectives "
+            "run inside the attention layers); set train.compile=false or parallel.sequence=1"
+        )
+    if cfg.train.compile and cfg.train.zero_stage == 3:
+        raise ConfigError(
+            "train.compile does not serve train.zero_stage=3 (ZeRO-3 gathers each block's parameters in "
+            "hooks the compiled graph skips); use train.zero_stage=2 or train.compile=false"
+        )
     grad_accum = cfg.train.grad_accum
     if cfg.train.global_batch is not None:
         per_micro = cfg.train.micro_batch * dp

@@ -124,6 +124,7 @@ def train_inputs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "grad_accum",
         "global_batch",  # the derived global batch below is the fingerprint's
         "profile",  # tracing a window changes no weight
+        "compile",  # the same losses, compiled or eager
         "activation_checkpointing",
         "loss_chunk_tokens",
     ):

@@ -150,6 +150,8 @@ def _train(cfg: RunConfig, make_loader: LoaderFactory) -> dict[str, Any]:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, activation_checkpointing=tc.activation_checkpointing)
+    if tc.compile:
+        model.compile_blocks()
     if sp is not None:
         from fpa_model.sequence_parallel import SequenceParallel
 

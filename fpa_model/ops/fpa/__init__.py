@@ -83,6 +83,24 @@ def fpa_attention(
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     spec = resolve_kind(kind)  # the one resolution of the kind: every path below reads its flags
+    if torch.compiler.is_compiling() and impl != "naive":
+        # Inside torch.compile: the op as one custom-op node (library.py), so the graph does not break
+        # around it. auto picks by device alone here (the shape checks of fpa_attention_triton still run).
+        from fpa_model.ops.fpa.library import attention
+
+        if impl == "auto":
+            impl = "triton" if q.is_cuda else "chunked"
+        return attention(
+            q,
+            k,
+            v,
+            phi,
+            kind=spec.name,
+            scale=scale,
+            block_size=block_size,
+            segment_ids=segment_ids,
+            impl=impl,
+        )
     if impl == "auto":
         impl = _auto_impl(q, k, v)
     if impl == "naive":

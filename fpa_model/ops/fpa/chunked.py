@@ -1038,32 +1038,86 @@ def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale,
     return dq, dk, dv, dphi
 
 
+def _plan_of(q: torch.Tensor, k: torch.Tensor, block_size: int) -> _Plan:
+    # A block longer than the sequence would only add padding.
+    return _Plan(q.shape[-2], k.shape[-2], min(block_size, k.shape[-2]), q.shape[0] * q.shape[1])
+
+
+def lse_shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int, int]:
+    """The shape of chunked_forward's lse (block-major (query blocks, B*H, block)), from the shapes alone."""
+    plan = _plan_of(q, k, block_size)
+    return (plan.nq, plan.bh, plan.bs)
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return _f32(q[:0]).dtype
+
+
+def chunked_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi: torch.Tensor | None,
+    kind: AttentionKind,
+    scale: float,
+    block_size: int,
+    segment_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, Tq, Dv) in q's dtype, lse in the block layout of lse_shape): the forward of the chunked
+    op without autograd, for its autograd Function and its torch.library op (fpa_model.ops.fpa.library)."""
+    b, h = q.shape[:2]
+    plan = _plan_of(q, k, block_size)
+    segb = None if segment_ids is None else _segment_blocks(segment_ids, plan, h)
+    if segb is None:
+        out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
+    else:
+        out_b, lse = _forward_segments(q, k, v, phi, kind, scale, plan, segb)
+    return _from_blocks(out_b, b, h, plan.front, plan.tq).to(q.dtype), lse
+
+
+def chunked_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kind: AttentionKind,
+    scale: float,
+    block_size: int,
+    segment_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv in their inputs' dtypes, dphi in phi's dtype, None without a field gradient) from
+    chunked_forward's out and lse."""
+    plan = _plan_of(q, k, block_size)
+    args = (dout, q, k, v, phi, out, lse, kind, scale, plan)
+    if segment_ids is None:
+        dq, dk, dv, dphi = _backward(*args)
+    else:
+        dq, dk, dv, dphi = _backward_segments(*args, _segment_blocks(segment_ids, plan, q.shape[1]))
+    if phi is not None:
+        dphi = dphi.to(phi.dtype) if dphi is not None else torch.zeros_like(phi)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dphi
+
+
 class _ChunkedFPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, phi, kind, scale, block_size, segment_ids):
-        b, h = q.shape[:2]
-        # A block longer than the sequence would only add padding.
-        plan = _Plan(q.shape[-2], k.shape[-2], min(block_size, k.shape[-2]), b * h)
-        segb = None if segment_ids is None else _segment_blocks(segment_ids, plan, h)
-        if segb is None:
-            out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
-        else:
-            out_b, lse = _forward_segments(q, k, v, phi, kind, scale, plan, segb)
-        out = _from_blocks(out_b, b, h, plan.front, plan.tq).to(q.dtype)
-        ctx.save_for_backward(q, k, v, phi, out, lse, segb)
-        ctx.kind, ctx.scale, ctx.plan = kind, scale, plan
+        out, lse = chunked_forward(q, k, v, phi, kind, scale, block_size, segment_ids)
+        ctx.save_for_backward(q, k, v, phi, out, lse, segment_ids)
+        ctx.kind, ctx.scale, ctx.block_size = kind, scale, block_size
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, phi, out, lse, segb = ctx.saved_tensors
-        args = (dout, q, k, v, phi, out, lse, ctx.kind, ctx.scale, ctx.plan)
-        dq, dk, dv, dphi = _backward(*args) if segb is None else _backward_segments(*args, segb)
-        dphi_out = None
-        if phi is not None and ctx.needs_input_grad[3]:
-            dphi_out = dphi.to(phi.dtype) if dphi is not None else torch.zeros_like(phi)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dphi_out, None, None, None, None
+        q, k, v, phi, out, lse, seg = ctx.saved_tensors
+        dq, dk, dv, dphi = chunked_backward(
+            dout, q, k, v, phi, out, lse, ctx.kind, ctx.scale, ctx.block_size, seg
+        )
+        dphi = dphi if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dphi, None, None, None, None
 
 
 def _validate(q, k, v, phi, kind: AttentionKind, block_size):

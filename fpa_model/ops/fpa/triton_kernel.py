@@ -1389,6 +1389,62 @@ def fpa_attention_triton(
     FP32_PRECISION (tf32 unless the environment sets FPA_FP32_PRECISION=ieee).
     Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this module loaded.
     """
+    q, k, v, phi, lc = _prepare(
+        q, k, v, phi, kind, scale, block_size, tiles, fp32_precision, segment_ids, tile_counter
+    )
+    return _FPATritonFunction.apply(q, k, v, phi, lc)
+
+
+def triton_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi: torch.Tensor | None,
+    kind: str,
+    scale: float | None,
+    segment_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, base-2 lse (B, H, T) float32) of fpa_attention_triton (autotuned tiles) without autograd,
+    for the torch.library op (fpa_model.ops.fpa.library)."""
+    q, k, v, phi, lc = _prepare(q, k, v, phi, kind, scale, None, None, None, segment_ids, None)
+    return _forward(q, k, v, phi.detach().float().contiguous(), lc)
+
+
+def triton_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi: torch.Tensor | None,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    kind: str,
+    scale: float | None,
+    segment_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dphi in phi's dtype; None for softmax) from triton_forward's out and lse."""
+    q, k, v, phi_in, lc = _prepare(q, k, v, phi, kind, scale, None, None, None, segment_ids, None)
+    phi32 = phi_in.detach().float().contiguous()
+    dq, dk, dv, dphi = _backward(q, k, v, phi32, lse, _last_dim_contiguous(do), lc, o=o)
+    if phi is not None and dphi is not None:
+        dphi = dphi.to(phi.dtype)
+    return dq, dk, dv, None if phi is None else dphi
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi: torch.Tensor | None,
+    kind: str,
+    scale: float | None,
+    block_size: int | None,
+    tiles: Mapping[str, TileSpec] | None,
+    fp32_precision: str | None,
+    segment_ids: torch.Tensor | None,
+    tile_counter: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Launch]:
+    """Checked inputs (unit last stride; phi zeros for softmax without one) and the launch settings."""
     if kind not in KINDS:
         raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
     if q.dim() != 4:
@@ -1425,7 +1481,7 @@ def fpa_attention_triton(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     lc = _Launch(q, kind, scale, pinned, fp32_precision, docs, tile_counter)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    return _FPATritonFunction.apply(q, k, v, phi, lc)
+    return q, k, v, phi, lc
 
 
 # ----------------------------------------------------------------------------------------------------
