@@ -12,6 +12,8 @@ On a GPU machine whose python already holds a CUDA build of torch and Triton, wi
     kernel_bench  bench/kernel.py: FPA vs FoX (flash-linear-attention) vs flash SDPA, TFLOP/s
     train         bench/train.py: a short bf16 training loop of the 110m model, tokens/s and MFU against
                   the GPU's datasheet peak
+    train_compile the same loop for fpa and softmax, eager and with train.compile (each block under
+                  torch.compile, the FPA kernel a custom op), interleaved: compiled / eager step time
 
 Each step runs in its own process group under its own timeout (a hang is killed and the next step runs);
 after every step ONE JSON report is rewritten: $OUT/gpu_check.json when OUT is set, else
@@ -268,6 +270,8 @@ KERNEL_BENCH_ARGS = ["--lengths", "2048,4096,8192,16384", "--head-dims", "64,128
 # The 110m model in bf16 at 2k tokens per row: 32k tokens a step, 3 warm-up steps (they autotune), 10 timed.
 TRAIN_ARGS = ["--preset", "110m", "--dtype", "bf16", "--impl", "auto", "--seq-len", "2048", "--batch", "16"]
 TRAIN_ARGS += ["--steps", "10", "--warmup", "3", "--peak-tflops", "auto"]
+# train.compile against eager on the same loop: fewer steps, the compile is most of the step's time.
+TRAIN_COMPILE_ARGS = [*TRAIN_ARGS, "--kinds", "fpa,softmax", "--compile", "--steps", "5", "--warmup", "2"]
 DEFAULT_TIMEOUTS = {
     "install": 60,
     "imports": 30,
@@ -275,6 +279,7 @@ DEFAULT_TIMEOUTS = {
     "kernel_check": 120,
     "kernel_bench": 90,
     "train": 90,
+    "train_compile": 90,
 }
 
 
@@ -317,6 +322,13 @@ def build_steps(py: str, wheels: Path, work: Path, timeouts: dict[str, float]) -
             [py, f"{here}/train.py", *TRAIN_ARGS, "--out", str(work / "train.json")],
             "110m model, bf16, tokens/s and MFU",
             figures=_json_figures("train.json"),
+        ),
+        Step(
+            "train_compile",
+            t["train_compile"],
+            [py, f"{here}/train.py", *TRAIN_COMPILE_ARGS, "--out", str(work / "train_compile.json")],
+            "110m model, bf16, train.compile vs eager step time",
+            figures=_json_figures("train_compile.json"),
         ),
     ]
 
@@ -485,6 +497,16 @@ def summarize(steps: list[Step]) -> dict[str, Any]:
         out["train_peak_tflops"] = tr.get("peak_tflops")
         if "fpa" in tr["rows"]:
             out["train_mfu_target"] = {"target": MFU_TARGET, "meets": tr["rows"]["fpa"]["mfu"] >= MFU_TARGET}
+    tc = by.get("train_compile")
+    if tc and "rows" in tc:
+        out["train_compile"] = {
+            kind.removesuffix(" compiled"): {
+                "compiled_over_eager": round(r["time_ratio_vs_eager"], 3),
+                "tokens_per_s": round(r["tokens_per_s"]),
+            }
+            for kind, r in tc["rows"].items()
+            if "time_ratio_vs_eager" in r
+        }
     return out
 
 

@@ -82,6 +82,29 @@ def test_train_markdown() -> None:
     }
     md = train.result_markdown(setup, rows, _prov())
     assert "| fpa | 0.4200 | 4,876 | 30.0% | 1.05x |" in md and "median of 10 steps" in md
+    rows["fpa compiled"] = {**rows["fpa"], "median_step_s": 0.21, "time_ratio_vs_eager": 0.5}
+    md = train.result_markdown({**setup, "compile": True}, rows, _prov())
+    assert "| fpa | 0.4200 | 4,876 | 30.0% | 1.05x | - |" in md
+    assert "| fpa compiled | 0.2100 | 4,876 | 30.0% | 1.05x | 0.50x |" in md
+    setup_line = next(line for line in md.splitlines() if line.startswith("1.5M parameters"))
+    assert setup_line.endswith("compiled / eager is the step time ratio.")  # one paragraph, no stray line
+
+
+def test_train_bench_runs_every_kind_on_toy_sizes(tmp_path: Path, monkeypatch) -> None:
+    """bench/train.py itself at toy sizes: every kind (softmax-sdpa's replaced attend included) trains, and
+    the figures it writes agree with its own step times."""
+    train = _bench("train")
+    out = tmp_path / "train.json"
+    argv = ["train.py", "--steps", "3", "--warmup", "1", "--batch", "2", "--seq-len", "32", "--vocab", "64"]
+    argv += ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "16", "--peak-tflops", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out), "--no-result"])
+    assert train.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["fpa", "fox", "softmax", "softmax-sdpa"]
+    for r in rows.values():
+        assert len(r["steps"]) == 3 and r["median_step_s"] == sorted(r["steps"])[1]
+        assert abs(r["tokens_per_s"] * r["median_step_s"] - 2 * 32) < 1e-6
+    assert rows["softmax"]["time_ratio_vs_softmax"] == 1.0
 
 
 def test_data_markdown() -> None:

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["install", "imports", "gpu_tests", "kernel_check", "kernel_bench", "train"]
+STEPS = ["install", "imports", "gpu_tests", "kernel_check", "kernel_bench", "train", "train_compile"]
 
 
 def _load(name: str) -> ModuleType:
@@ -85,7 +85,9 @@ def test_dry_run_with_every_wheel(tmp_path: Path, gc: ModuleType) -> None:
     assert [s["name"] for s in rep["steps"]] == STEPS
     assert {s["status"] for s in rep["steps"]} == {"dry-run"}
     assert all(s["command"] and s["timeout_s"] > 0 for s in rep["steps"])
-    assert rep["budget_s"] == sum(s["timeout_s"] for s in rep["steps"]) <= 8 * 60
+    assert rep["budget_s"] == sum(s["timeout_s"] for s in rep["steps"]) <= 10 * 60
+    compile_step = rep["steps"][-1]["command"]
+    assert "--compile" in compile_step and compile_step.count("--steps") == 2  # the loop's, then its own
 
 
 def test_dry_run_names_missing_and_wrong_platform_wheels(tmp_path: Path, gc: ModuleType) -> None:
@@ -163,11 +165,27 @@ def test_steps_run_on_after_a_failure_and_a_hang(tmp_path: Path, gc: ModuleType,
         py = sys.executable
         figures = {"rows": {"fpa": {"tokens_per_s": 1000.0, "mfu": 0.45}}, "peak_tflops": 989.4}
         write = f"import json; open({str(work / 'train.json')!r}, 'w').write(json.dumps({figures!r}))"
+        compiled = {
+            "rows": {
+                "fpa": {"tokens_per_s": 1000.0, "mfu": 0.45},
+                "fpa compiled": {"tokens_per_s": 1250.0, "mfu": 0.56, "time_ratio_vs_eager": 0.8},
+            }
+        }
+        write_c = (
+            f"import json; open({str(work / 'train_compile.json')!r}, 'w').write(json.dumps({compiled!r}))"
+        )
         return [
             gc.Step("install", 10, [py, "-c", "print('installed')"], "ok"),
             gc.Step("imports", 10, [py, "-c", "import sys; sys.exit(3)"], "fails"),
             gc.Step("gpu_tests", 1.5, [py, "-c", "import time; time.sleep(30)"], "hangs"),
             gc.Step("train", 10, [py, "-c", write], "figures", figures=gc._json_figures("train.json")),
+            gc.Step(
+                "train_compile",
+                10,
+                [py, "-c", write_c],
+                "figures",
+                figures=gc._json_figures("train_compile.json"),
+            ),
         ]
 
     monkeypatch.setattr(gc, "build_steps", fake_steps)
@@ -179,18 +197,20 @@ def test_steps_run_on_after_a_failure_and_a_hang(tmp_path: Path, gc: ModuleType,
             "--wheels",
             str(tmp_path / "none"),
             "--steps",
-            "install,imports,gpu_tests,train",
+            "install,imports,gpu_tests,train,train_compile",
         ]
     )
     assert rc == 1
     rep = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [(s["name"], s["status"]) for s in rep["steps"]] == [
         ("install", "ok"), ("imports", "failed"), ("gpu_tests", "timeout"), ("train", "ok"),
+        ("train_compile", "ok"),
     ]  # fmt: skip
     assert rep["steps"][1]["rc"] == 3
     assert "installed" in rep["steps"][0]["output_tail"]
     assert rep["summary"]["train"] == {"fpa": {"tokens_per_s": 1000, "mfu": 0.45}}
     assert rep["summary"]["train_mfu_target"] == {"target": 0.4, "meets": True}
+    assert rep["summary"]["train_compile"] == {"fpa": {"compiled_over_eager": 0.8, "tokens_per_s": 1250}}
     assert rep["ok"] is False and rep["wall_s"] < 60
     assert "torch" in rep["machine"]
 
