@@ -238,8 +238,11 @@ def test_hf_kv_shift_logits_and_generate_equal_the_project(evict: bool, exported
     else:  # every step's logits are the full forward pass's over the generated sequence
         with torch.no_grad():
             full = ref(out.sequences[:, :-1])[:, x.shape[1] - 1 :]
-        # fp32 decode against the forward; with the output norm the logits are larger: a relative bound too
-        torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-5)
+        # fp32 decode against the forward, to 2e-5 of the logits' scale (std ~1, max ~6 here): the output
+        # norm rescales each head's output to unit RMS, so reassociation differences of ~1e-7 in a small
+        # attention output come out larger (4.8e-5 measured); a wrong cache is off by O(1)
+        scale = full.abs().max().item()
+        torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=2e-5 * scale)
 
 
 def test_hf_config_from_before_per_head_gains_builds_shared_gains(exported_kv_shift: tuple) -> None:
