@@ -80,7 +80,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/attention.py
 	$(VENV)/bin/python bench/data.py
 	$(VENV)/bin/python bench/train.py
-	$(VENV)/bin/python bench/context_parallel.py
+	$(VENV)/bin/python bench/sequence_parallel.py
 	$(VENV)/bin/python bench/kernel.py  # prints "no CUDA device: skipping" on CPU
 
 # On a machine with network: the wheels that bench/gpu_check.sh installs on an offline GPU machine.

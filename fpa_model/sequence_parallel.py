@@ -1,4 +1,4 @@
-"""Sequence-parallel (context-parallel) FPA: a ring of K/V/phi over ranks and a cross-rank scan of the field.
+"""Sequence-parallel FPA (what some codebases call context parallelism): a ring of K/V/phi over ranks and a cross-rank scan of the field.
 
 The W ranks of a sequence-parallel group share one sequence of length T. The sequence is cut into chunks
 of equal length and every rank holds some of them, concatenated in ascending order along the time axis:
@@ -215,7 +215,7 @@ def _resolve_impl(impl: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     why = _triton_blocks_unusable(q, k, v)
     if why is not None:
         raise RuntimeError(
-            f"context-parallel impl 'triton' is unavailable here ({why}); use impl='chunked' or 'auto'"
+            f"sequence-parallel impl 'triton' is unavailable here ({why}); use impl='chunked' or 'auto'"
         )
     return "triton"
 

@@ -145,8 +145,8 @@ def test_data_prepare_markdown() -> None:
     assert "| 2 | 5.0 | 2.000 | 1.600 | 1.25 | 1.26 | 392 (231) / 235 / 392 |" in md
 
 
-def test_context_parallel_markdown() -> None:
-    cp = _bench("context_parallel")
+def test_sequence_parallel_markdown() -> None:
+    cp = _bench("sequence_parallel")
     rows = [
         {
             "T": 2048, "variant": v, "single_wall_s": 1.0, "single_cpu_s": 1.0, "single_peak_mb": 100.0,

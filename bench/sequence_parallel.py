@@ -1,7 +1,7 @@
 """Sequence-parallel FPA on CPU: per-rank time and memory of a 2-rank ring vs one process, growing T.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/context_parallel.py            # T = 1024 .. 8192
-    OMP_NUM_THREADS=1 .venv/bin/python bench/context_parallel.py --quick    # T = 512, 1024: a smoke run
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sequence_parallel.py            # T = 1024 .. 8192
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sequence_parallel.py --quick    # T = 512, 1024: a smoke run
 
 Every measurement runs in fresh processes (gloo, one thread each): the single-process baseline is the
 chunked path (fpa_model.ops.fpa.chunked_fpa_attention) on the whole sequence, the ring is
@@ -14,7 +14,7 @@ point, i.e. the extra memory a forward + backward needs on top of its inputs, pe
 on a 2-core machine the ideal time ratio is 0.5 and the ideal memory ratio about 0.5 (each rank holds
 half of the sequence and of the workspace). Timings are only meaningful on an otherwise idle machine.
 
-Writes docs/results/context_parallel/result.{json,md} (or --result-dir) with the commit, machine, command
+Writes docs/results/sequence_parallel/result.{json,md} (or --result-dir) with the commit, machine, command
 and the load average at the start and end; --quick and --no-result write none.
 """
 
@@ -155,7 +155,7 @@ def main() -> None:
         help="ring layouts (zigzag, contiguous) and/or ulysses (all-to-all over heads, chunked per rank)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="T = 512, 1024 with 2 repeats")
-    p.add_argument("--result-dir", type=Path, default=None, help="default docs/results/context_parallel")
+    p.add_argument("--result-dir", type=Path, default=None, help="default docs/results/sequence_parallel")
     p.add_argument("--no-result", action="store_true", help="write no result file (--quick implies it)")
     args = p.parse_args()
     if args.quick:
@@ -208,7 +208,7 @@ def main() -> None:
             k: getattr(args, k) for k in ("kind", "batch", "heads", "dim", "block", "repeats", "variants")
         }
         data = {**setup, "world": 2, "rows": rows, "provenance": prov}
-        out = write_result("context_parallel", data, result_markdown(setup, rows, prov), args.result_dir)
+        out = write_result("sequence_parallel", data, result_markdown(setup, rows, prov), args.result_dir)
         print(f"wrote {out}/result.json and result.md")
 
 
