@@ -1,4 +1,5 @@
-"""Sequence-parallel FPA (what some codebases call context parallelism): a ring of K/V/phi over ranks and a cross-rank scan of the field.
+"""Sequence-parallel FPA (what some codebases call context parallelism): a ring of K/V/phi over ranks
+and a cross-rank scan of the field.
 
 The W ranks of a sequence-parallel group share one sequence of length T. The sequence is cut into chunks
 of equal length and every rank holds some of them, concatenated in ascending order along the time axis:

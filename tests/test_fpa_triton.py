@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from fpa_model.ops.fpa import triton_kernel as tk
 from fpa_model.ops.fpa.naive import fpa_attention_naive
@@ -451,6 +454,58 @@ def _route_oracle(phi, pre, suf, row_r, col_r) -> torch.Tensor:
                 window = phi[r, i:s1]
                 out[r, i + int(torch.nonzero(window == window.min())[0])] += float(col_r[r, h, i])
     return out
+
+
+@triton.jit
+def _scan_probe_kernel(
+    X, F, MIN_OUT, SUM_OUT, FLAG_OUT, R: tl.constexpr, C: tl.constexpr, AXIS: tl.constexpr
+):
+    """Both segmented combines of the field kernels over an (R, C) block along AXIS, in both directions."""
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    x, f = tl.load(X + offs), tl.load(F + offs)
+    v, g = tl.associative_scan((x, f), AXIS, tk._seg_min)
+    tl.store(MIN_OUT + offs, v)
+    tl.store(FLAG_OUT + offs, g)
+    v, g = tl.associative_scan((x, f), AXIS, tk._seg_sum, reverse=True)
+    tl.store(SUM_OUT + offs, v)
+
+
+def _segmented_scan_oracle(x: np.ndarray, f: np.ndarray, axis: int, op, reverse: bool) -> np.ndarray:
+    """Element by element, as the interpreter's own fallback scans: a set flag restarts the segment."""
+    x, f = np.moveaxis(x, axis, -1), np.moveaxis(f, axis, -1)
+    out = np.empty_like(x)
+    order = range(x.shape[-1] - 1, -1, -1) if reverse else range(x.shape[-1])
+    for r in range(x.shape[0]):
+        acc = None
+        for i in order:
+            acc = x[r, i] if acc is None or f[r, i] else op(acc, x[r, i])
+            out[r, i] = acc
+    return np.moveaxis(out, -1, axis)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's scan (fpa_model/ops/fpa/interpreter.py)")
+@pytest.mark.parametrize("axis", [0, 1])
+def test_interpreter_log_step_scan_equals_sequential_scan(axis):
+    """The log-step scan installed for the interpreter gives the element-by-element scan's minima and
+    flags exactly, and its sums to float rounding (reassociated), on 2-D blocks along either axis, with
+    segments of every length (a flag at the first element, runs crossing the block's middle)."""
+    from triton.runtime.interpreter import ScanOps
+
+    from fpa_model.ops.fpa.interpreter import _log_step_scan
+
+    assert ScanOps.generic_scan is _log_step_scan
+    g = np.random.default_rng(axis)
+    shape = (4, 64)
+    x = g.standard_normal(shape).astype(np.float32)
+    x[0, :7] = 1.0  # ties
+    f = (g.random(shape) < 0.15).astype(np.int32)
+    f[1] = 0  # one segment per line
+    outs = [torch.empty(shape), torch.empty(shape), torch.empty(shape, dtype=torch.int32)]
+    _scan_probe_kernel[(1,)](torch.from_numpy(x), torch.from_numpy(f), *outs, R=4, C=64, AXIS=axis)
+    assert np.array_equal(outs[0].numpy(), _segmented_scan_oracle(x, f, axis, np.minimum, False))
+    assert np.array_equal(outs[2].numpy(), _segmented_scan_oracle(f, f, axis, np.bitwise_or, False))
+    ref_sum = _segmented_scan_oracle(x.astype(np.float64), f, axis, np.add, True)
+    np.testing.assert_allclose(outs[1].numpy(), ref_sum, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("t,block", [(1, 1024), (37, 1024), (1500, 1024), (100, 16)])

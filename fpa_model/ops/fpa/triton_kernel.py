@@ -54,10 +54,13 @@ import triton
 import triton.language as tl
 
 from fpa_model.ops.fpa.chunked import CrossGrads, DiagGrads, cross_field, resolve_delta, route_cross_sums
+from fpa_model.ops.fpa.interpreter import install_log_step_scan
 from fpa_model.ops.fpa.naive import KINDS
 from fpa_model.ops.fpa.segments import check_segment_ids
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if _INTERPRET:  # the interpreter's own scan runs element by element (fpa_model/ops/fpa/interpreter.py)
+    install_log_step_scan()
 _KIND_ID = {"fpa": 0, "fox": 1, "softmax": 2}
 MAX_HEAD_DIM = 128
 MIN_TILE, MAX_TILE = 16, 128
