@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpa_model.config import AttentionConfig, ModelConfig
 from fpa_model.model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +28,20 @@ COMPILE_CASES = [
     ("softmax-zero0-ckpt", "softmax", ["train.zero_stage=0", "train.activation_checkpointing=true"]),
 ]
 STEPS = 20
+
+
+def training_config(tmp: Path, kind: str, over: list[str] = ()):  # noqa: ANN201
+    """The training cases' config for `kind` (the tiny test model with the FoX-Pro block, chunked op)."""
+    from test_train_support import write_config
+
+    from pipeline.config import load_config
+
+    pro = [f"model.attention.{k}={str(v).lower()}" for k, v in PRO.items()]
+    base = [f"train.max_steps={STEPS}", "model.attention.impl=chunked", "model.attention.block_size=8", *pro]
+    # lr 2e-3: at the tiny config's 1e-2, FPA's range-minimum switches amplify inductor's 1e-7 reassociation
+    # to 1e-3 in the loss by step 15 (eager runs reordered the same way would drift alike).
+    base += ["train.checkpoint.every=0", "model.attention.field_weight_std=0.3", "train.lr=2e-3"]
+    return load_config([write_config(tmp)], [*base, f"model.attention.kind={kind}", *over])
 
 
 def test_custom_op_passes_opcheck() -> None:
@@ -47,17 +60,21 @@ def test_custom_op_passes_opcheck() -> None:
 
 
 @pytest.mark.parametrize("kind", ["fpa", "fox", "softmax"])
-def test_compiled_block_is_one_graph_equal_to_eager(kind: str) -> None:
-    """fullgraph=True: any graph break would be an error. Output and every gradient equal eager's."""
+def test_compiled_block_is_one_graph_equal_to_eager(kind: str, tmp_path: Path) -> None:
+    """fullgraph=True: any graph break would be an error. Output and every gradient equal eager's.
+
+    The model and batch are the training cases' (training_config, micro batch x seq_len), so the blocks'
+    graphs are theirs and the training run below finds them in inductor's on-disk cache."""
     import copy
 
     torch._dynamo.reset()
-    att = AttentionConfig(kind=kind, impl="chunked", block_size=8, field_weight_std=0.3, **PRO)
+    cfg = training_config(tmp_path, kind)
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=61, n_layer=2, n_head=2, d_model=32, max_seq_len=64, attention=att))
+    model = GPT(cfg.model)
     eager = copy.deepcopy(model)
     model.compile_blocks(fullgraph=True)
-    idx = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
+    shape = (cfg.train.micro_batch, cfg.data.seq_len)
+    idx = torch.randint(0, cfg.model.vocab_size, shape, generator=torch.Generator().manual_seed(1))
     out, ref = model(idx), eager(idx)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     out.pow(2).mean().backward()
@@ -116,25 +133,16 @@ def test_compiled_training_equals_eager_over_20_steps(case: str, curves: dict) -
 
 def _train_cases(tmp: Path) -> dict:
     """Eager per kind, then each compiled case, in this process (the compile caches are shared)."""
-    from test_train_support import memory_loader, read_metrics, write_config
+    from test_train_support import memory_loader, read_metrics
 
-    from pipeline.config import load_config
     from pipeline.export import consolidated_state_dict
     from pipeline.train import train
 
-    cfg_path = write_config(tmp)
-    pro = [f"model.attention.{k}={str(v).lower()}" for k, v in PRO.items()]
-    base = [f"train.max_steps={STEPS}", "model.attention.impl=chunked", "model.attention.block_size=8", *pro]
-    # lr 2e-3: at the tiny config's 1e-2, FPA's range-minimum switches amplify inductor's 1e-7 reassociation
-    # to 1e-3 in the loss by step 15 (eager runs reordered the same way would drift alike).
-    base += ["train.checkpoint.every=0", "model.attention.field_weight_std=0.3", "train.lr=2e-3"]
     runs = [(f"eager-{k}", k, []) for k in ("fpa", "fox", "softmax")]
     runs += [(name, kind, [*over, "train.compile=true"]) for name, kind, over in COMPILE_CASES]
     out: dict = {}
     for name, kind, over in runs:
-        cfg = load_config(
-            [cfg_path], [*base, f"runs_dir={tmp / name}", f"model.attention.kind={kind}", *over]
-        )
+        cfg = training_config(tmp, kind, [f"runs_dir={tmp / name}", *over])
         torch._dynamo.utils.counters.clear()
         summary = train(cfg, make_loader=memory_loader)
         counters = torch._dynamo.utils.counters
