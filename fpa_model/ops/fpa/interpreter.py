@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_INSTALLED = False
-
 
 def _log_step_scan(self, inputs: list) -> list:
     """ScanOps.generic_scan's contract: inputs are interpreter tensors of one shape, scanned along
@@ -57,13 +55,9 @@ def _log_step_scan(self, inputs: list) -> list:
 def install_log_step_scan() -> None:
     """Replace the interpreter's element-by-element fallback scan (idempotent; a Triton without it is
     left alone, so an interpreter rewrite upstream only costs speed)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
     try:
         from triton.runtime.interpreter import ScanOps
     except ImportError:
         return
     if hasattr(ScanOps, "generic_scan") and hasattr(ScanOps, "to_tensor"):
         ScanOps.generic_scan = _log_step_scan
-    _INSTALLED = True
