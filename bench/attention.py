@@ -42,11 +42,10 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from fpa_model.config import ATTENTION_KINDS  # noqa: E402
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402

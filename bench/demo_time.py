@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.results import finish_provenance, provenance, provenance_md, write_result  # noqa: E402
 

@@ -534,7 +534,7 @@ def check_imports(modules: list[str]) -> dict[str, Any]:
     for m in modules:
         try:
             importlib.import_module(m)
-        except Exception as e:  # noqa: BLE001 - every failure is reported by name
+        except Exception as e:
             failed[m] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     versions = {
         d: _dist_version(d)
@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         if s.figures is not None:
             try:
                 s.result["figures"] = s.figures(work)
-            except Exception as e:  # noqa: BLE001 - a broken figures file is reported, not fatal
+            except Exception as e:
                 s.result["figures_error"] = f"{type(e).__name__}: {e}"
         if s.figures is not None and s.result["status"] == "ok" and not s.result.get("figures"):
             s.result.update(status="no-figures", note="exited 0 but wrote no figures (no CUDA?)")

@@ -29,13 +29,12 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real; nothing is launched
 # A fresh cache, so the compile times are real (not cache hits); the caller's TRITON_CACHE_DIR wins.
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="fpa_triton_cache_"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from fpa_model.ops.fpa import triton_kernel as tk  # noqa: E402
+from fpa_model.ops.fpa import triton_kernel as tk
 
 ARCHS = {"sm_90": 90, "sm_80": 80}
 LOWP_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}

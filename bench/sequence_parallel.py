@@ -28,7 +28,6 @@ import gc
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,11 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fpa_model.config import ATTENTION_KINDS  # noqa: E402
-from fpa_model.ops.fpa.chunked import chunked_fpa_attention  # noqa: E402
-from fpa_model.sequence_parallel import (  # noqa: E402
+from fpa_model.config import ATTENTION_KINDS
+from fpa_model.ops.fpa.chunked import chunked_fpa_attention
+from fpa_model.sequence_parallel import (
     ring_attention,
     shard_sequence,
     ulysses_attention,

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _median_s(fn, repeats: int, before=None) -> float:  # noqa: ANN001
+def _median_s(fn, repeats: int, before=None) -> float:
     times = []
     for _ in range(repeats):
         if before is not None:

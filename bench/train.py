@@ -37,12 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fpa_model.config import ATTENTION_IMPLS, AttentionConfig, ModelConfig  # noqa: E402
-from fpa_model.model import GPT  # noqa: E402
-from pipeline.trainer.loss import lm_loss  # noqa: E402
-from pipeline.trainer.metrics import measure_peak_flops  # noqa: E402
+from fpa_model.config import ATTENTION_IMPLS, AttentionConfig, ModelConfig
+from fpa_model.model import GPT
+from pipeline.trainer.loss import lm_loss
+from pipeline.trainer.metrics import measure_peak_flops
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

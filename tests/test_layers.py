@@ -1,6 +1,7 @@
 """The packages form layers that import one way only, and nothing imports in a cycle.
 
-    launch       the CLI, Slurm and sweeps: may import everything below
+    bench        speed and memory benchmarks, the GPU acceptance run: may import everything below
+    launch       the CLI, Slurm and sweeps: everything below
     experiments  studies beside the pipeline (the synthetic tasks): pipeline, fpa_model, data_prep
     pipeline     stages, trainer, checkpoints, evaluation: fpa_model, data_prep
     fpa_model    the model and its attention ops: none of our packages
@@ -29,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"data_prep", "fpa_model"},
     "experiments": {"pipeline", "data_prep", "fpa_model"},
     "launch": {"experiments", "pipeline", "data_prep", "fpa_model"},
+    "bench": {"launch", "experiments", "pipeline", "data_prep", "fpa_model"},
 }
 PACKAGES = sorted(ALLOWED)
 
