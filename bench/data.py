@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from data_prep.prepare import prepare_data  # noqa: E402
-from data_prep.sources import iter_documents  # noqa: E402
+from data_prep.sources import forget_parsed_corpora, iter_documents  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 
 
@@ -69,6 +68,7 @@ def bench_prepare(cfg: Any, work: Path, repeats: int) -> dict[str, Any]:
             n += sum(len(e.ids) for e in tok.encode_batch(docs[i : i + bs], add_special_tokens=False))
         raw_tps.append(n / (time.perf_counter() - t))
         raw_cpu.append(n / (_cpu() - c))
+        forget_parsed_corpora()  # each timed prepare reads its sources as a fresh process does
         t, c = time.perf_counter(), _cpu()
         s = prepare_data(cfg, work / "again", progress=False)
         prep_tps.append(s["tokens"] / (time.perf_counter() - t))

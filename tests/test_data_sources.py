@@ -125,6 +125,42 @@ def test_kjv_books_select_and_exclude_whole_books() -> None:
     assert desc["books"] == held
 
 
+def test_kjv_records_parse_once_per_file_version_and_name_the_bad_line(tmp_path: Path) -> None:
+    """The verse file is parsed as one JSON array (and kept for the process); a bad file still fails line
+    by line, naming the line; a rewritten file is parsed again."""
+    from data_prep.sources import _json_line, _kjv_records, forget_parsed_corpora
+
+    path = packaged_path("kjv")
+    text = path.read_text(encoding="utf-8")
+    expected = [_json_line(line) for line in text.splitlines() if line.strip()]
+    got = _kjv_records(path)
+    assert got == tuple((r["book"], int(r["chapter"]), r["text"]) for r in expected)
+    assert _kjv_records(path) is got  # the second read (the validation split's) parses nothing
+    forget_parsed_corpora()
+    assert _kjv_records(path) == got and _kjv_records(path) is not got
+
+    def verse(i: int) -> str:
+        return json.dumps({"book": "B", "chapter": i, "text": f"verse {i}"})
+
+    f = tmp_path / "kjv.jsonl"
+    f.write_text(f"{verse(1)}\n\n{verse(2)}\n")
+    assert _kjv_records(f) == (("B", 1, "verse 1"), ("B", 2, "verse 2"))
+    f.write_text(f"{verse(1)}\n\n{verse(2)}\n{verse(3)}\n")  # the same file, changed: parsed again
+    assert len(_kjv_records(f)) == 3
+    bad = {
+        "not json": f"{verse(1)}\n\n{verse(2)}\n{{oops\n",
+        "two values on a line": f"{verse(1)}\n\n{verse(2)}, {verse(3)}\n",  # a valid array, not jsonl
+        "a record without a book": f"{verse(1)}\n\n{verse(2)}\n" + json.dumps({"chapter": 1, "text": "x"}),
+        "a chapter that is no number": f"{verse(1)}\n\n{verse(2)}\n" + verse(3).replace("3,", '"III",'),
+    }
+    for what, body in bad.items():
+        f.write_text(body)
+        line = 3 if what == "two values on a line" else 4
+        with pytest.raises(DataError, match=rf"kjv.jsonl:{line}: bad verse record"):
+            _kjv_records(f)
+        forget_parsed_corpora()
+
+
 def test_kjv_books_errors() -> None:
     with pytest.raises(DataError, match=r"names no book 'Jonas' \(did you mean 'Jonah'"):
         docs(SourceConfig(type="packaged", name="kjv", books=["Jonas"]), max_doc_chars=100_000)
