@@ -50,15 +50,20 @@ def pick_dtype(vocab_size: int) -> str:
 # Tokenization
 
 
-def _batches(docs: Iterable[str], batch_docs: int, batch_chars: int) -> Iterator[list[str]]:
+FIRST_BATCH_CHARS = 1 << 16  # the first batch of a prepare; each next one twice as large, up to batch_chars
+
+
+def _batches(docs: Iterable[str], batch_docs: int, limits: Iterator[int]) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
+    limit = next(limits)
     for d in docs:
         batch.append(d)
         chars += len(d)
-        if len(batch) >= batch_docs or chars >= batch_chars:
+        if len(batch) >= batch_docs or chars >= limit:
             yield batch
             batch, chars = [], 0
+            limit = next(limits)
     if batch:
         yield batch
 
@@ -66,9 +71,17 @@ def _batches(docs: Iterable[str], batch_docs: int, batch_chars: int) -> Iterator
 def _tagged_batches(
     streams: Iterable[Iterable[str]], batch_docs: int, batch_chars: int
 ) -> Iterator[tuple[int, list[str] | None]]:
-    """(stream, batch) for every stream in turn, and (stream, None) where a stream ends."""
+    """(stream, batch) for every stream in turn, and (stream, None) where a stream ends.
+
+    The batches grow from FIRST_BATCH_CHARS to batch_chars, doubling: the tokenizer starts on a small
+    first batch while the reader goes on, instead of waiting for a whole first batch to be read (the
+    default corpus's train split is one batch of 4 MB). Batching never changes the tokens: each document
+    is encoded alone.
+    """
+    ramp = itertools.takewhile(lambda c: c < batch_chars, (FIRST_BATCH_CHARS << i for i in itertools.count()))
+    limits = itertools.chain(ramp, itertools.repeat(batch_chars))
     for k, docs in enumerate(streams):
-        for batch in _batches(docs, batch_docs, batch_chars):
+        for batch in _batches(docs, batch_docs, limits):
             yield k, batch
         yield k, None
 

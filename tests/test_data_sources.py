@@ -125,40 +125,60 @@ def test_kjv_books_select_and_exclude_whole_books() -> None:
     assert desc["books"] == held
 
 
-def test_kjv_records_parse_once_per_file_version_and_name_the_bad_line(tmp_path: Path) -> None:
-    """The verse file is parsed as one JSON array (and kept for the process); a bad file still fails line
-    by line, naming the line; a rewritten file is parsed again."""
+def test_kjv_records_parse_once_per_file_version_and_name_the_bad_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verse file is parsed in slices of lines, each as one JSON array, and kept for the process once
+    read to its end; a bad file still fails line by line, naming the line; a rewritten file is parsed
+    again."""
+    import data_prep.sources as sources
     from data_prep.sources import _json_line, _kjv_records, forget_parsed_corpora
 
     path = packaged_path("kjv")
     text = path.read_text(encoding="utf-8")
-    expected = [_json_line(line) for line in text.splitlines() if line.strip()]
-    got = _kjv_records(path)
-    assert got == tuple((r["book"], int(r["chapter"]), r["text"]) for r in expected)
-    assert _kjv_records(path) is got  # the second read (the validation split's) parses nothing
+    expected = tuple(
+        (r["book"], int(r["chapter"]), r["text"])
+        for line in text.splitlines()
+        if line.strip()
+        for r in [_json_line(line)]
+    )
     forget_parsed_corpora()
-    assert _kjv_records(path) == got and _kjv_records(path) is not got
+    first = _kjv_records(path)
+    assert not isinstance(first, tuple)  # streamed: the first slice's verses come before the rest is parsed
+    assert next(iter(first)) == expected[0]
+    assert not isinstance(_kjv_records(path), tuple)  # a read given up before the end keeps nothing
+    got = tuple(_kjv_records(path))
+    assert got == expected and len(got) > 10 * sources.KJV_PARSE_LINES
+    kept = _kjv_records(path)
+    assert (
+        isinstance(kept, tuple) and kept == expected
+    )  # the next read (the validation split's) parses nothing
+    forget_parsed_corpora()
+    assert not isinstance(_kjv_records(path), tuple)
 
     def verse(i: int) -> str:
         return json.dumps({"book": "B", "chapter": i, "text": f"verse {i}"})
 
     f = tmp_path / "kjv.jsonl"
     f.write_text(f"{verse(1)}\n\n{verse(2)}\n")
+    assert tuple(_kjv_records(f)) == (("B", 1, "verse 1"), ("B", 2, "verse 2"))
     assert _kjv_records(f) == (("B", 1, "verse 1"), ("B", 2, "verse 2"))
     f.write_text(f"{verse(1)}\n\n{verse(2)}\n{verse(3)}\n")  # the same file, changed: parsed again
-    assert len(_kjv_records(f)) == 3
+    assert len(tuple(_kjv_records(f))) == 3
     bad = {
         "not json": f"{verse(1)}\n\n{verse(2)}\n{{oops\n",
         "two values on a line": f"{verse(1)}\n\n{verse(2)}, {verse(3)}\n",  # a valid array, not jsonl
         "a record without a book": f"{verse(1)}\n\n{verse(2)}\n" + json.dumps({"chapter": 1, "text": "x"}),
         "a chapter that is no number": f"{verse(1)}\n\n{verse(2)}\n" + verse(3).replace("3,", '"III",'),
     }
+    monkeypatch.setattr(
+        sources, "KJV_PARSE_LINES", 2
+    )  # lines 1 and 3, then line 4: the bad line in a later slice
     for what, body in bad.items():
         f.write_text(body)
         line = 3 if what == "two values on a line" else 4
         with pytest.raises(DataError, match=rf"kjv.jsonl:{line}: bad verse record"):
-            _kjv_records(f)
-        forget_parsed_corpora()
+            list(_kjv_records(f))
 
 
 def test_kjv_books_errors() -> None:
