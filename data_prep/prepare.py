@@ -867,6 +867,9 @@ def _write_split(
         for n_docs, arr in tokens:
             writer.add_tokens(arr, n_docs)
             bar(n_docs)
+    except BaseException:
+        writer.abort()  # its open shard's file; the caller removes the unfinished folder
+        raise
     finally:
         bar(None)
 

@@ -319,7 +319,13 @@ class _HashingWriter:
 
 class SplitWriter:
     """Packs token batches into sequences and writes them as shards <split>/<name>-NNNNN.tar (name: the
-    split's, or a mixture source's, whose shards then sit beside the other sources' in the split)."""
+    split's, or a mixture source's, whose shards then sit beside the other sources' in the split).
+
+    Each member (sequences_per_member sequences) goes into the open shard as soon as its sequences are
+    complete, so writing overlaps tokenization instead of waiting for a shard's worth (the default
+    corpus's whole train split is one shard, which was written after the last encode_batch). The bytes
+    are those of writing each shard at once: the same members, in the same order, through one tar stream.
+    """
 
     def __init__(
         self,
@@ -343,8 +349,9 @@ class SplitWriter:
         self.shards: list[ShardInfo] = []
         self.stats = SplitStats()
         self._carry = np.zeros(0, dtype=dtype)  # tokens not yet forming a whole sequence
-        self._pending: list[np.ndarray] = []  # whole sequences not yet written (fewer than a shard)
+        self._pending: list[np.ndarray] = []  # whole sequences not yet written (less than a member)
         self._pending_rows = 0
+        self._shard: _OpenShard | None = None
 
     def add_tokens(self, tokens: np.ndarray, documents: int = 0) -> None:
         self.stats.documents += documents
@@ -355,50 +362,80 @@ class SplitWriter:
         if n:
             self._pending.append(stream[: n * self.row].reshape(n, self.row))
             self._pending_rows += n
-        while self._pending_rows >= self.per_shard:
-            rows = np.concatenate(self._pending)
-            self._write_shard(rows[: self.per_shard])
-            rest = rows[self.per_shard :]
+        while self._pending_rows and self._pending_rows >= self._member_rows():
+            rows = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+            m = self._member_rows()
+            self._write_member(rows[:m])
+            rest = rows[m:]
             self._pending = [rest] if len(rest) else []
             self._pending_rows = len(rest)
 
     def close(self) -> list[ShardInfo]:
-        if self._pending_rows:
-            self._write_shard(np.concatenate(self._pending))
+        if self._pending_rows:  # fewer than a member: the short last member of the last shard
+            self._write_member(np.concatenate(self._pending))
         self._pending, self._pending_rows = [], 0
+        if self._shard is not None:
+            self._finish_shard()
         self.stats.dropped_tokens = len(self._carry)
         self.stats.sequences = sum(s.sequences for s in self.shards)
         return self.shards
 
-    def _write_shard(self, rows: np.ndarray) -> None:
-        i = len(self.shards)
-        rel = f"{self.split}/{self.name}-{i:05d}.tar"
-        path = self.root / rel
-        members = 0
-        # Plain tarfile writes the same USTAR layout as webdataset's TarWriter(mtime=0) without importing
-        # webdataset, which imports torch (seconds) in a step that needs neither.
-        # Hashed on its way to the file (no second read of what was just written).
-        with open(path, "wb") as f:
-            out = _HashingWriter(f)
-            with tarfile.open(fileobj=out, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
-                for m in range(0, len(rows), self.per_member):
-                    payload = _npy_bytes(rows[m : m + self.per_member])
-                    info = tarfile.TarInfo(f"{self.name}-{i:05d}-{members:06d}.npy")
-                    info.size, info.mtime, info.mode = len(payload), 0, 0o444
-                    info.uname = info.gname = "fpa"
-                    tar.addfile(info, io.BytesIO(payload))
-                    members += 1
-        digest, size = out.sha.hexdigest(), out.nbytes
+    def abort(self) -> None:
+        """Close the open shard's file without finishing it (prepare removes its folder)."""
+        if self._shard is not None:
+            self._shard.file.close()
+            self._shard = None
+
+    def _member_rows(self) -> int:
+        """Rows of the next member: a whole member, or what is left of the open shard if less."""
+        done = self._shard.rows if self._shard is not None else 0
+        return min(self.per_member, self.per_shard - done)
+
+    def _write_member(self, rows: np.ndarray) -> None:
+        if self._shard is None:
+            self._shard = _OpenShard(self.root, f"{self.split}/{self.name}-{len(self.shards):05d}.tar")
+        sh = self._shard
+        payload = _npy_bytes(rows)
+        info = tarfile.TarInfo(f"{self.name}-{len(self.shards):05d}-{sh.members:06d}.npy")
+        info.size, info.mtime, info.mode = len(payload), 0, 0o444
+        info.uname = info.gname = "fpa"
+        sh.tar.addfile(info, io.BytesIO(payload))
+        sh.members += 1
+        sh.rows += len(rows)
+        sh.tokens += int(rows.size)
+        if sh.rows == self.per_shard:
+            self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        sh = self._shard
+        assert sh is not None
+        sh.tar.close()
+        sh.file.close()
+        self._shard = None
         self.shards.append(
             ShardInfo(
-                file=rel,
-                sha256=digest,
-                bytes=size,
-                members=members,
-                sequences=len(rows),
-                tokens=int(rows.size),
+                file=sh.rel,
+                sha256=sh.out.sha.hexdigest(),
+                bytes=sh.out.nbytes,
+                members=sh.members,
+                sequences=sh.rows,
+                tokens=sh.tokens,
             )
         )
+
+
+class _OpenShard:
+    """A shard being written: its file, hashed on its way there (no second read of what was written).
+
+    Plain tarfile writes the same USTAR layout as webdataset's TarWriter(mtime=0) without importing
+    webdataset, which imports torch (seconds) in a step that needs neither."""
+
+    def __init__(self, root: Path, rel: str) -> None:
+        self.rel = rel
+        self.file = open(root / rel, "wb")  # noqa: SIM115 (closed by SplitWriter, shard by shard)
+        self.out = _HashingWriter(self.file)
+        self.tar = tarfile.open(fileobj=self.out, mode="w|", format=tarfile.USTAR_FORMAT)  # noqa: SIM115
+        self.members = self.rows = self.tokens = 0
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -291,6 +291,55 @@ def test_dtype_choice_and_uint32_round_trip(tmp_path: Path) -> None:
     np.testing.assert_array_equal(rows.reshape(-1), tokens[:20])
 
 
+def _shard_at_once(rows: np.ndarray, name: str, i: int, per_member: int) -> bytes:
+    """A shard as one write of all its rows (how shards were written before members were streamed)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+        for k, m in enumerate(range(0, len(rows), per_member)):
+            arr = io.BytesIO()
+            np.save(arr, rows[m : m + per_member], allow_pickle=False)
+            info = tarfile.TarInfo(f"{name}-{i:05d}-{k:06d}.npy")
+            info.size, info.mtime, info.mode = len(arr.getvalue()), 0, 0o444
+            info.uname = info.gname = "fpa"
+            tar.addfile(info, io.BytesIO(arr.getvalue()))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("per_member,per_shard", [(2, 4), (3, 7), (5, 5), (4, 3), (1, 1)])
+def test_split_writer_streams_members_into_the_bytes_of_whole_shards(
+    tmp_path: Path, per_member: int, per_shard: int
+) -> None:
+    """Members go into the open shard as their sequences complete, whatever the batches; each shard's
+    bytes (and hash, size, counts) are those of writing it at once, members split within the shard."""
+    rng = np.random.default_rng(per_member * 10 + per_shard)
+    seq_len, total = 3, 4 * 23 + 3
+    tokens = rng.integers(0, 60_000, total).astype(np.uint16)
+    cuts = np.sort(rng.choice(np.arange(1, total), 9, replace=False))
+    w = SplitWriter(
+        tmp_path,
+        "train",
+        seq_len=seq_len,
+        dtype="uint16",
+        sequences_per_member=per_member,
+        sequences_per_shard=per_shard,
+    )
+    for part in np.split(tokens, cuts):
+        w.add_tokens(part, 1)
+    shards = w.close()
+    rows = tokens[: (total // 4) * 4].reshape(-1, 4)
+    assert w.stats.dropped_tokens == total % 4 and w.stats.sequences == len(rows) == 23
+    assert [s.sequences for s in shards] == [min(per_shard, 23 - a) for a in range(0, 23, per_shard)]
+    for i, s in enumerate(shards):
+        want = _shard_at_once(rows[i * per_shard : (i + 1) * per_shard], "train", i, per_member)
+        got = (tmp_path / s.file).read_bytes()
+        assert got == want, f"shard {i} differs from writing it at once"
+        assert s.sha256 == hashlib.sha256(got).hexdigest() and s.bytes == len(got)
+        assert s.members == -(-s.sequences // per_member) and s.tokens == s.sequences * 4
+
+
 # ----------------------------------------------------------------------------------------------------
 # Errors
 
