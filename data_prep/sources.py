@@ -247,7 +247,7 @@ Verse = tuple[str, int, str]  # (book, chapter, text)
 
 
 _PARSED: dict[tuple[str, int, int], tuple[Verse, ...]] = {}  # the last KJV file parsed whole, by version
-KJV_PARSE_LINES = 2048  # verses parsed per json.loads call while the file streams
+KJV_PARSE_CHARS = 1 << 18  # characters of the file parsed per json.loads call while it streams
 
 
 def _kjv_records(path: Path) -> Iterable[Verse]:
@@ -272,10 +272,16 @@ def forget_parsed_corpora() -> None:
 
 
 def _parse_kjv(path: Path, key: tuple[str, int, int]) -> Iterator[Verse]:
-    lines = [(n, line) for n, line in enumerate(_read_text(path).splitlines(), 1) if line.strip()]
+    text = _read_text(path)
     parsed: list[Verse] = []
-    for start in range(0, len(lines), KJV_PARSE_LINES):
-        verses = _verses(path, lines[start : start + KJV_PARSE_LINES])
+    pos = lineno = 0
+    while pos < len(text):  # slices that end after a newline: no line spans two of them
+        end = text.find("\n", pos + KJV_PARSE_CHARS)
+        end = len(text) if end < 0 else end + 1
+        chunk = text[pos:end].splitlines()
+        lines = [(lineno + i, line) for i, line in enumerate(chunk, 1) if line.strip()]
+        lineno, pos = lineno + len(chunk), end
+        verses = _verses(path, lines)
         parsed += verses
         yield from verses
     _PARSED.clear()  # one file kept: the packaged corpus is the only one read this way

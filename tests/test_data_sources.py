@@ -148,7 +148,7 @@ def test_kjv_records_parse_once_per_file_version_and_name_the_bad_line(
     assert next(iter(first)) == expected[0]
     assert not isinstance(_kjv_records(path), tuple)  # a read given up before the end keeps nothing
     got = tuple(_kjv_records(path))
-    assert got == expected and len(got) > 10 * sources.KJV_PARSE_LINES
+    assert got == expected and len(text) > 10 * sources.KJV_PARSE_CHARS
     kept = _kjv_records(path)
     assert (
         isinstance(kept, tuple) and kept == expected
@@ -171,14 +171,16 @@ def test_kjv_records_parse_once_per_file_version_and_name_the_bad_line(
         "a record without a book": f"{verse(1)}\n\n{verse(2)}\n" + json.dumps({"chapter": 1, "text": "x"}),
         "a chapter that is no number": f"{verse(1)}\n\n{verse(2)}\n" + verse(3).replace("3,", '"III",'),
     }
-    monkeypatch.setattr(
-        sources, "KJV_PARSE_LINES", 2
-    )  # lines 1 and 3, then line 4: the bad line in a later slice
-    for what, body in bad.items():
-        f.write_text(body)
-        line = 3 if what == "two values on a line" else 4
-        with pytest.raises(DataError, match=rf"kjv.jsonl:{line}: bad verse record"):
-            list(_kjv_records(f))
+    for slice_chars in (sources.KJV_PARSE_CHARS, 1):  # one slice; a slice per line (the bad one a later one)
+        monkeypatch.setattr(sources, "KJV_PARSE_CHARS", slice_chars)
+        forget_parsed_corpora()  # a same-size rewrite within one mtime tick would read as the same file
+        for what, body in bad.items():
+            f.write_text(body)
+            line = 3 if what == "two values on a line" else 4
+            with pytest.raises(DataError, match=rf"kjv.jsonl:{line}: bad verse record"):
+                list(_kjv_records(f))
+        f.write_text(f"{verse(1)}\r\n\n{verse(2)}\n{verse(3)}")  # CRLF, a blank line, no final newline
+        assert tuple(_kjv_records(f)) == tuple(("B", i, f"verse {i}") for i in (1, 2, 3))
 
 
 def test_kjv_books_errors() -> None:
