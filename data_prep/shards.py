@@ -75,8 +75,8 @@ def _tagged_batches(
 
     The batches grow from FIRST_BATCH_CHARS to batch_chars, doubling: the tokenizer starts on a small
     first batch while the reader goes on, instead of waiting for a whole first batch to be read (the
-    default corpus's train split is one batch of 4 MB). Batching never changes the tokens: each document
-    is encoded alone.
+    default corpus's train split is 4 MB). Batching never changes the tokens: each document is encoded
+    alone.
     """
     ramp = itertools.takewhile(lambda c: c < batch_chars, (FIRST_BATCH_CHARS << i for i in itertools.count()))
     limits = itertools.chain(ramp, itertools.repeat(batch_chars))
@@ -118,7 +118,7 @@ def tokenize_streams(
     eod: int,
     dtype: str,
     batch_docs: int = 2048,
-    batch_chars: int = 4 << 20,
+    batch_chars: int = 1 << 20,
     prefetch: int = 2,
     pool: TokenizerPool | None = None,
 ) -> Iterator[Tagged]:
@@ -129,9 +129,11 @@ def tokenize_streams(
 
     One reader for all the streams of a prepare: it runs ahead into the next stream while the last
     batches of this one are tokenized and written, so reading a split (Python: JSON parsing, decoding)
-    overlaps encode_batch, which releases the GIL, instead of waiting for it. Batches of a few million
-    characters keep every core busy and bound the memory of one batch (measured: one encode_batch over a
-    whole corpus used 8.8 GB). A stream is a lazy iterable (a generator): it starts reading when reached.
+    overlaps encode_batch, which releases the GIL, instead of waiting for it. Batches of a million
+    characters keep every core busy and bound the memory of the batches in flight (measured: one
+    encode_batch over a whole corpus used 8.8 GB; with 4M-character batches, three batches' encodings
+    in flight held 120 MB more than 1M-character ones, at the same speed). A stream is a lazy iterable (a
+    generator): it starts reading when reached.
     """
     if pool is not None:  # every worker needs batches to work on, also from a corpus of a few MB
         batch_chars = min(batch_chars, POOL_BATCH_CHARS)
@@ -142,10 +144,9 @@ def tokenize_streams(
         return in_thread(encoded, prefetch, "tokenize")
     # Two threads: encode_batch (which releases the GIL while the Rust pool works) and the ids' copy into
     # an array (Python, under the GIL), so that the next batch's encode_batch keeps the cores busy while
-    # this one's ids are copied (the copy was about 5% of prepare's time, with the cores idle).
-    encodings = in_thread(
-        ((k, b, None if b is None else encode(tok, b)) for k, b in batches), prefetch, "tokenize"
-    )
+    # this one's ids are copied (the copy was about 5% of prepare's time, with the cores idle). One batch
+    # of encodings waits between them: each holds every token's string besides its id.
+    encodings = in_thread(((k, b, None if b is None else encode(tok, b)) for k, b in batches), 1, "tokenize")
     encoded = ((k, 0, None) if b is None else (k, len(b), flat_ids(e, eod, dtype)) for k, b, e in encodings)
     return in_thread(encoded, prefetch, "token-ids")
 
