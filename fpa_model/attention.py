@@ -348,7 +348,7 @@ class Attention(nn.Module):
         """The attention op with this layer's kind / impl / block size (q may be shorter than k)."""
         return fpa_attention(
             q, k, v, phi, kind=self.spec, impl=self.cfg.impl, block_size=self.cfg.block_size,
-            segment_ids=segment_ids,
+            segment_ids=segment_ids, skip_epsilon=self.cfg.skip_epsilon,
         )  # fmt: skip
 
     def forward(self, x: Tensor, segment_ids: Tensor | None = None) -> Tensor:
@@ -376,6 +376,11 @@ class Attention(nn.Module):
     def _forward_sequence_parallel(
         self, x: Tensor, sp: SequenceParallel, segment_ids: Tensor | None = None
     ) -> Tensor:
+        if self.cfg.skip_epsilon is not None and self.spec.has_field:
+            raise ValueError(
+                "model.attention.skip_epsilon (tile skipping) is not served under sequence parallelism yet; "
+                "set it to null or train on one rank per sequence"
+            )
         # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute
         # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks. The
         # kv shift needs, for each chunk's first token, the raw k, v of the token before it, which another

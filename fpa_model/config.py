@@ -50,6 +50,10 @@ class AttentionConfig:
     # (segment ids from the end-of-document tokens, data_prep.loader.document_segments) and restarts RoPE
     # positions at each document start. false: the window is one sequence (as before the switch existed).
     document_mask: bool = False
+    # Tile skipping (fpa_model/ops/fpa/skipping.py): key tiles whose softmax mass is provably below this
+    # fraction of every query row of the tile are not computed, forward and backward (fpa, fox; softmax
+    # has no field and computes every tile). Served by the chunked path; null (off) computes every tile.
+    skip_epsilon: float | None = None
     rope: bool | None = None  # None: on for softmax only (fpa/fox get position from the field)
     rope_theta: float = 10000.0
     # Init of the per-head field bias c_h: the increments start slightly negative so a fresh model
@@ -77,6 +81,19 @@ class AttentionConfig:
                 f"model.attention.log_scale_length must be >= 2 (a training length) or null; "
                 f"got {self.log_scale_length}"
             )
+        if self.skip_epsilon is not None:
+            eps = self.skip_epsilon
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < eps < 1.0):
+                raise ValueError(
+                    "model.attention.skip_epsilon must be in (0, 1) (the softmax mass a row may lose to "
+                    f"skipped tiles) or null (off); got {eps!r}"
+                )
+            if self.impl in ("naive", "triton"):
+                raise ValueError(
+                    f"model.attention.skip_epsilon is served by impl chunked (or auto on CPU); got impl "
+                    f"{self.impl!r} (the naive oracle computes every pair; the Triton kernels do not skip "
+                    "yet)"
+                )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(
                 f"model.attention.qk_norm_scale={self.qk_norm_scale} needs model.attention.qk_norm=true "

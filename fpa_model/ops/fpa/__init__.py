@@ -20,6 +20,7 @@ from fpa_model.ops.fpa.chunked import chunked_fpa_attention
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import KINDS, fpa_attention_naive, fpa_bias_naive
 from fpa_model.ops.fpa.segments import check_segment_ids
+from fpa_model.ops.fpa.skipping import check_skip_epsilon
 
 
 def _load_triton():
@@ -71,8 +72,13 @@ def fpa_attention(
     impl: str = "auto",
     block_size: int = 64,
     segment_ids: torch.Tensor | None = None,
+    skip_epsilon: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (B,H,Tq,D) over k, v (B,H,Tk,D) with the field phi (B,H,Tk).
+
+    skip_epsilon: tiles whose softmax mass is provably below skip_epsilon of every row are not computed
+    (skipping.py states the bound; fpa and fox; softmax has no field and computes every tile). Served by
+    the chunked path; None (the default) computes every tile.
 
     segment_ids (B, Tk), non-decreasing integer ids (the document of each position in a packed window):
     a query attends only to keys of its own document. None: the whole window is one sequence.
@@ -83,6 +89,14 @@ def fpa_attention(
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     spec = resolve_kind(kind)  # the one resolution of the kind: every path below reads its flags
+    skip_epsilon = check_skip_epsilon(skip_epsilon)
+    chunked_here = impl == "chunked" or (impl == "auto" and not q.is_cuda)
+    if skip_epsilon is not None and spec.has_field and not chunked_here:
+        raise ValueError(
+            f"skip_epsilon (tile skipping) is served by impl 'chunked' only; got impl {impl!r}"
+            + (" on a CUDA tensor" if impl == "auto" else "")
+            + " (the naive oracle computes every pair; the Triton kernels do not skip yet)"
+        )
     if torch.compiler.is_compiling() and impl != "naive":
         # Inside torch.compile: the op as one custom-op node (library.py), so the graph does not break
         # around it. auto picks by device alone here (the shape checks of fpa_attention_triton still run).
@@ -100,6 +114,7 @@ def fpa_attention(
             block_size=block_size,
             segment_ids=segment_ids,
             impl=impl,
+            skip_epsilon=skip_epsilon,
         )
     if impl == "auto":
         impl = _auto_impl(q, k, v)
@@ -107,8 +122,9 @@ def fpa_attention(
         return fpa_attention_naive(q, k, v, phi, kind=spec, scale=scale, segment_ids=segment_ids)
     if impl == "chunked":
         return chunked_fpa_attention(
-            q, k, v, phi, kind=spec, scale=scale, block_size=block_size, segment_ids=segment_ids
-        )
+            q, k, v, phi, kind=spec, scale=scale, block_size=block_size, segment_ids=segment_ids,
+            skip_epsilon=skip_epsilon,
+        )  # fmt: skip
     try:
         fn = _load_triton()
     except Exception as e:

@@ -71,6 +71,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from fpa_model.ops.fpa import skipping
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.segments import check_segment_ids
 
@@ -897,16 +898,15 @@ def _finish_softmax_masked(s: torch.Tensor, v: torch.Tensor, keep: torch.Tensor)
     return out, (m + den.log()).squeeze(-1)
 
 
-def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, segb: torch.Tensor):
-    """_forward with documents: block-major (out, lse) in float32."""
-    x = _Blocks(q, k, v, phi, kind, scale, plan)
+def _diag_forward_pass(x: _Blocks, kind: AttentionKind, plan: _Plan, segb: torch.Tensor | None):
+    """The diagonal tiles of the document (segb) or skipping paths: block-major (out, lse), workspace."""
     masks = _causal_masks(plan.bs, plan.bs, x.qs)
     causal = masks[2].bool()
-    segq = segb[plan.qb0 :]
     buf = plan.workspace(x.qs)
     out = torch.empty(*x.qs.shape[:-1], x.v.shape[-1], dtype=x.qs.dtype, device=x.qs.device)
     lse = torch.empty(x.qs.shape[:-1], dtype=x.qs.dtype, device=x.qs.device)
-    cut = _diag_partial(segb).tolist()
+    cut = [False] * plan.n_blk if segb is None else _diag_partial(segb).tolist()
+    segq = None if segb is None else segb[plan.qb0 :]
     for qi, ki in plan.groups(0):
         n = (qi.stop - qi.start) * plan.bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
@@ -919,6 +919,14 @@ def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Pl
             o, l = _finish_softmax(s, _f(x.v[ki]), masks[2])
         out[qi] = o.view_as(out[qi])
         lse[qi] = l.view_as(lse[qi])
+    return out, lse, buf
+
+
+def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, segb: torch.Tensor):
+    """_forward with documents: block-major (out, lse) in float32."""
+    x = _Blocks(q, k, v, phi, kind, scale, plan)
+    out, lse, buf = _diag_forward_pass(x, kind, plan, segb)
+    segq = segb[plan.qb0 :]
     steps = list(_segment_steps(segb, plan))
     if not steps:
         return out, lse
@@ -964,19 +972,17 @@ def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Pl
     return out, lse
 
 
-def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, plan: _Plan, segb):
-    """_backward with documents (the tiles and masks of _forward_segments)."""
-    b, h = q.shape[:2]
+def _diag_backward_pass(x: _Blocks, kind: AttentionKind, plan: _Plan, segb: torch.Tensor | None):
+    """The diagonal tiles' gradients (block-major dq unscaled, dk, dv, dphi or None) and the three
+    workspaces, for the document (segb) or skipping paths; x has its reference set to the final lse."""
     bh, bs = plan.bh, plan.bs
-    x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
-    x.set_ref(lse)
     masks = _causal_masks(bs, bs, x.qs)
     causal = masks[2].bool()
-    segq = segb[plan.qb0 :]
     buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
     dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
     dphi = torch.zeros_like(x.phi) if kind.has_field else None
-    cut = _diag_partial(segb).tolist()
+    cut = [False] * plan.n_blk if segb is None else _diag_partial(segb).tolist()
+    segq = None if segb is None else segb[plan.qb0 :]
     for qi, ki in plan.groups(0):
         n = (qi.stop - qi.start) * bh
         phi_d = None if x.phi is None else _f(x.phi[ki])
@@ -992,6 +998,17 @@ def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale,
         )  # fmt: skip
         if dphi is not None:
             _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
+    return dq, dk, dv, dphi, (buf_p, buf_ds, buf_w)
+
+
+def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, plan: _Plan, segb):
+    """_backward with documents (the tiles and masks of _forward_segments)."""
+    b, h = q.shape[:2]
+    bh, bs = plan.bh, plan.bs
+    x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
+    x.set_ref(lse)
+    segq = segb[plan.qb0 :]
+    dq, dk, dv, dphi, (buf_p, buf_ds, buf_w) = _diag_backward_pass(x, kind, plan, segb)
     field = _Field(x.phi, plan) if kind.range_min else None
     dphi_m = x.qs.new_zeros(bh, plan.n_blk * bs) if field is not None else None
     for d, groups in _segment_steps(segb, plan):
@@ -1038,6 +1055,181 @@ def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale,
     return dq, dk, dv, dphi
 
 
+# ----------------------------------------------------------------------------------------------------
+# Tile skipping (skip_epsilon; skipping.py has the bound and what it guarantees). Each block diagonal's
+# tiles are decided per (query block, key block, batch*head) by skipping.TileBound, documents included,
+# and the kept ones are gathered by flat tile index (block * BH + bh) into batched steps and added back
+# with index_add_ (a query tile and a key tile appear at most once per diagonal). The backward replays
+# the same decisions from the same q, k, phi, so a skipped tile has no gradient.
+# ----------------------------------------------------------------------------------------------------
+
+
+class _Step(NamedTuple):
+    qt: torch.Tensor  # flat query tiles (into nq * BH)
+    kt: torch.Tensor  # flat key tiles (into n_blk * BH)
+    partial: bool  # some pair of these tiles lies in two documents: the mask is needed
+
+
+def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False):
+    """The kept cross tiles as _Steps, diagonal by diagonal; `field` is advanced as the steps are taken,
+    so consume them in order. count: add the kept and skipped tiles to skipping.skip_counts."""
+    bh, dev = plan.bh, x.qs.device
+    lanes = torch.arange(bh, device=dev)
+    first = last = None
+    if segb is not None:
+        first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
+    for d in range(1, plan.n_blk):
+        if field is not None:
+            field.advance(d, plan)
+        qb = torch.arange(max(plan.qb0, d), plan.n_blk, device=dev)
+        qi, kb = qb - plan.qb0, qb - d
+        visible = None if segb is None else last[kb] >= first[qb]  # (len, BH)
+        if visible is not None and not bool(visible.any()):
+            return  # documents: the visible key blocks of a query block are a run ending at the diagonal
+        if field is not None:
+            keep = bound.keep(qi, kb, field.p_min[qi], field.s_min[kb], field.m_run[qi])
+        else:
+            keep = bound.keep(qi, kb)
+        if visible is not None:
+            keep &= visible
+        if count:
+            n_vis = keep.numel() if visible is None else int(visible.sum())
+            n_keep = int(keep.sum())
+            skipping.record(n_keep, n_vis - n_keep)
+        partial = None if segb is None else first[kb] != last[qb]
+        for flag in (False, True):
+            if partial is None:
+                if flag:
+                    continue
+                sel = keep
+            else:
+                sel = keep & (partial if flag else ~partial)
+            rows, lane = sel.nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            qt, kt = qi[rows] * bh + lanes[lane], kb[rows] * bh + lanes[lane]
+            step = plan.group * bh
+            for a in range(0, qt.numel(), step):
+                yield _Step(qt[a : a + step], kt[a : a + step], flag)
+
+
+def _skip_operands(x: _Blocks, field, st: _Step):
+    """fpa's row min(P_i, M) and S_j for the tiles of a step (None, None for the other kinds)."""
+    if field is None:
+        return None, None
+    row = torch.minimum(_f(field.p_min)[st.qt], _f(field.m_run)[st.qt].unsqueeze(-1))
+    return row, _f(field.s_min)[st.kt]
+
+
+def _forward_skip(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, segb, eps: float):
+    """_forward (segb None) or _forward_segments with the tiles the bound rules out never computed."""
+    x = _Blocks(q, k, v, phi, kind, scale, plan)
+    out, lse, buf = _diag_forward_pass(x, kind, plan, segb)
+    if plan.n_blk == 1:
+        return out, lse
+    segq_f = None if segb is None else _f(segb[plan.qb0 :])
+    segk_f = None if segb is None else _f(segb)
+    bound = skipping.TileBound(
+        x.qs, x.k, x.phi, range_min=kind.range_min, qb0=plan.qb0, front=plan.front, back=plan.back,
+        tk=plan.tk, eps=eps,
+    )  # fmt: skip
+    qa_f, ka_f, v_f = _f(x.qa), _f(x.ka), _f(x.v)
+
+    def same_doc(st: _Step) -> torch.Tensor:
+        return segq_f[st.qt].unsqueeze(-1) == segk_f[st.kt].unsqueeze(-2)
+
+    # The fast path of _forward: cross logits relative to the diagonal's lse, no per-tile rescaling.
+    x.set_ref(lse)
+    acc, den = out.clone(), torch.ones_like(lse)
+    acc_f, den_f = _f(acc), _f(den)
+    field = _Field(x.phi, plan) if kind.range_min else None
+    for st in _skip_steps(x, plan, field, bound, segb, count=True):
+        row, s_min = _skip_operands(x, field, st)
+        s = _cross_scores(qa_f[st.qt], ka_f[st.kt], row, s_min, buf[: st.qt.numel()])
+        _exp_(s)
+        if st.partial:
+            s.masked_fill_(~same_doc(st), 0.0)
+        den_f.index_add_(0, st.qt, s.sum(dim=-1))
+        acc_f.index_add_(0, st.qt, torch.bmm(s, v_f[st.kt]))
+    if bool(torch.isfinite(den).all()) and bool(torch.isfinite(acc.sum())):
+        return acc.div_(den.unsqueeze(-1)), lse.add_(den.log_())
+    # Exact per-tile max-shifts and log-sum-exp merges (huge logits), as _forward_exact.
+    x.set_ref(torch.zeros_like(lse))
+    qa_f = _f(x.qa)
+    out_f, lse_f = _f(out), _f(lse)
+    field = _Field(x.phi, plan) if kind.range_min else None
+    for st in _skip_steps(x, plan, field, bound, segb):
+        row, s_min = _skip_operands(x, field, st)
+        s = _cross_scores(qa_f[st.qt], ka_f[st.kt], row, s_min, buf[: st.qt.numel()])
+        if st.partial:
+            o_t, l_t = _finish_softmax_masked(s, v_f[st.kt], same_doc(st))
+        else:
+            o_t, l_t = _finish_softmax(s, v_f[st.kt])
+        o_m, l_m = merge_lse(out_f[st.qt], lse_f[st.qt], o_t, l_t)
+        out_f[st.qt] = o_m
+        lse_f[st.qt] = l_m
+    return out, lse
+
+
+def _backward_skip(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, plan: _Plan, segb, eps: float):
+    """The backward of _forward_skip: the same tiles, decided again from the same inputs."""
+    b, h = q.shape[:2]
+    bh, bs = plan.bh, plan.bs
+    x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
+    x.set_ref(lse)
+    dq, dk, dv, dphi, (buf_p, buf_ds, buf_w) = _diag_backward_pass(x, kind, plan, segb)
+    field = _Field(x.phi, plan) if kind.range_min else None
+    dphi_m = x.qs.new_zeros(bh * plan.n_blk * bs) if field is not None else None
+    if plan.n_blk > 1:
+        bound = skipping.TileBound(
+            x.qs, x.k, x.phi, range_min=kind.range_min, qb0=plan.qb0, front=plan.front, back=plan.back,
+            tk=plan.tk, eps=eps,
+        )  # fmt: skip
+        segq_f = None if segb is None else _f(segb[plan.qb0 :])
+        segk_f = None if segb is None else _f(segb)
+        qa_f, ka_f, qs_f, k_f, v_f, va_f = _f(x.qa), _f(x.ka), _f(x.qs), _f(x.k), _f(x.v), _f(x.va)
+        do_f, doa_f, dq_f, dk_f, dv_f = _f(x.do), _f(x.doa), _f(dq), _f(dk), _f(dv)
+        dphi_f = None if dphi is None else _f(dphi)
+        dphiq_f = None if dphi is None else _f(dphi[plan.qb0 :])
+        for st in _skip_steps(x, plan, field, bound, segb):
+            qt, kt, n = st.qt, st.kt, st.qt.numel()
+            row, s_min = _skip_operands(x, field, st)
+            p = _cross_scores(qa_f[qt], ka_f[kt], row, s_min, buf_p[:n])
+            keep = None
+            if st.partial:
+                keep = segq_f[qt].unsqueeze(-1) == segk_f[kt].unsqueeze(-2)
+                p.masked_fill_(~keep, -_INF)
+                keep = keep.to(p.dtype)
+            qs_t, k_t, v_t = qs_f[qt], k_f[kt], v_f[kt]
+            dq_t, dk_t, dv_t = torch.zeros_like(qs_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
+            ds = _bwd_tile(
+                p, qs_t, k_t, v_t, va_f[kt], do_f[qt], doa_f[qt], dq_t, dk_t, dv_t, buf_ds[:n], keep=keep
+            )
+            dq_f.index_add_(0, qt, dq_t)
+            dk_f.index_add_(0, kt, dk_t)
+            dv_f.index_add_(0, kt, dv_t)
+            if kind.query_term:
+                dphiq_f.index_add_(0, qt, ds.sum(dim=-1))
+                dphi_f.index_add_(0, kt, ds.sum(dim=-2).neg_())
+            elif kind.range_min:
+                dphi_q, dphi_k, dm = _route_cross(
+                    ds, row, s_min, _f(field.arg_s)[kt], _f(field.p_min)[qt], _f(field.arg_p)[qt],
+                    _f(field.m_run)[qt], buf_w[:n],
+                )  # fmt: skip
+                dphiq_f.index_add_(0, qt, dphi_q)
+                dphi_f.index_add_(0, kt, dphi_k)
+                # The between-blocks min of each tile: its gradient lands on its argmin (lane qt % BH).
+                dphi_m.index_add_(0, (qt % bh) * (plan.n_blk * bs) + _f(field.m_arg)[qt], dm)
+    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
+    dk = _from_blocks(dk, b, h, 0, plan.tk)
+    dv = _from_blocks(dv, b, h, 0, plan.tk)
+    if dphi is not None:
+        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
+        if dphi_m is not None:
+            dphi = dphi + dphi_m.view(bh, -1)[:, : plan.tk].reshape(b, h, plan.tk)
+    return dq, dk, dv, dphi
+
+
 def _plan_of(q: torch.Tensor, k: torch.Tensor, block_size: int) -> _Plan:
     # A block longer than the sequence would only add padding.
     return _Plan(q.shape[-2], k.shape[-2], min(block_size, k.shape[-2]), q.shape[0] * q.shape[1])
@@ -1062,13 +1254,17 @@ def chunked_forward(
     scale: float,
     block_size: int,
     segment_ids: torch.Tensor | None,
+    skip_epsilon: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Tq, Dv) in q's dtype, lse in the block layout of lse_shape): the forward of the chunked
-    op without autograd, for its autograd Function and its torch.library op (fpa_model.ops.fpa.library)."""
+    op without autograd, for its autograd Function and its torch.library op (fpa_model.ops.fpa.library).
+    skip_epsilon: skip the tiles the bound of skipping.py rules out (kinds with a field; None: off)."""
     b, h = q.shape[:2]
     plan = _plan_of(q, k, block_size)
     segb = None if segment_ids is None else _segment_blocks(segment_ids, plan, h)
-    if segb is None:
+    if skip_epsilon is not None and kind.has_field:
+        out_b, lse = _forward_skip(q, k, v, phi, kind, scale, plan, segb, skip_epsilon)
+    elif segb is None:
         out_b, lse = _forward(q, k, v, phi, kind, scale, plan)
     else:
         out_b, lse = _forward_segments(q, k, v, phi, kind, scale, plan, segb)
@@ -1087,12 +1283,16 @@ def chunked_backward(
     scale: float,
     block_size: int,
     segment_ids: torch.Tensor | None,
+    skip_epsilon: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv in their inputs' dtypes, dphi in phi's dtype, None without a field gradient) from
-    chunked_forward's out and lse."""
+    chunked_forward's out and lse (skip_epsilon: the same as the forward's)."""
     plan = _plan_of(q, k, block_size)
     args = (dout, q, k, v, phi, out, lse, kind, scale, plan)
-    if segment_ids is None:
+    if skip_epsilon is not None and kind.has_field:
+        segb = None if segment_ids is None else _segment_blocks(segment_ids, plan, q.shape[1])
+        dq, dk, dv, dphi = _backward_skip(*args, segb, skip_epsilon)
+    elif segment_ids is None:
         dq, dk, dv, dphi = _backward(*args)
     else:
         dq, dk, dv, dphi = _backward_segments(*args, _segment_blocks(segment_ids, plan, q.shape[1]))
@@ -1103,10 +1303,10 @@ def chunked_backward(
 
 class _ChunkedFPAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, phi, kind, scale, block_size, segment_ids):
-        out, lse = chunked_forward(q, k, v, phi, kind, scale, block_size, segment_ids)
+    def forward(ctx, q, k, v, phi, kind, scale, block_size, segment_ids, skip_epsilon):
+        out, lse = chunked_forward(q, k, v, phi, kind, scale, block_size, segment_ids, skip_epsilon)
         ctx.save_for_backward(q, k, v, phi, out, lse, segment_ids)
-        ctx.kind, ctx.scale, ctx.block_size = kind, scale, block_size
+        ctx.kind, ctx.scale, ctx.block_size, ctx.skip_epsilon = kind, scale, block_size, skip_epsilon
         return out
 
     @staticmethod
@@ -1114,10 +1314,10 @@ class _ChunkedFPAFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, phi, out, lse, seg = ctx.saved_tensors
         dq, dk, dv, dphi = chunked_backward(
-            dout, q, k, v, phi, out, lse, ctx.kind, ctx.scale, ctx.block_size, seg
+            dout, q, k, v, phi, out, lse, ctx.kind, ctx.scale, ctx.block_size, seg, ctx.skip_epsilon
         )
         dphi = dphi if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dphi, None, None, None, None
+        return dq, dk, dv, dphi, None, None, None, None, None
 
 
 def _validate(q, k, v, phi, kind: AttentionKind, block_size):
@@ -1156,13 +1356,17 @@ def chunked_fpa_attention(
     scale: float | None = None,
     block_size: int = 64,
     segment_ids: torch.Tensor | None = None,
+    skip_epsilon: float | None = None,
 ) -> torch.Tensor:
     """Causal FPA/FoX/softmax attention with O(T) memory; same contract as fpa_attention_naive (segment_ids
-    (B, Tk): attend only inside each query's document; tiles wholly in earlier documents are skipped)."""
+    (B, Tk): attend only inside each query's document; tiles wholly in earlier documents are skipped).
+    skip_epsilon: also skip the tiles whose softmax mass is provably < skip_epsilon of each row
+    (skipping.py; softmax has no field and skips nothing); None: every tile, bit for bit as before."""
     kind = resolve_kind(kind)
     _validate(q, k, v, phi, kind, block_size)
+    eps = skipping.check_skip_epsilon(skip_epsilon)
     seg = None if segment_ids is None else check_segment_ids(segment_ids, k)
-    return _ChunkedFPAFunction.apply(q, k, v, phi, kind, _scale(q, scale), block_size, seg)
+    return _ChunkedFPAFunction.apply(q, k, v, phi, kind, _scale(q, scale), block_size, seg, eps)
 
 
 __all__ = [

@@ -39,11 +39,12 @@ def attention_fwd(
     scale: float,
     block_size: int,
     impl: str,
+    skip_epsilon: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse): the chunked path's (lse block-major) or the Triton kernel's (lse (B, H, T))."""
     if impl == "chunked":
         seg = None if segment_ids is None else check_segment_ids(segment_ids, k)
-        out, lse = chunked_forward(q, k, v, phi, resolve_kind(kind), scale, block_size, seg)
+        out, lse = chunked_forward(q, k, v, phi, resolve_kind(kind), scale, block_size, seg, skip_epsilon)
     else:
         from fpa_model.ops.fpa.triton_kernel import triton_forward
 
@@ -52,7 +53,7 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _(q, k, v, phi, segment_ids, kind, scale, block_size, impl):  # noqa: ANN001, ANN202
+def _(q, k, v, phi, segment_ids, kind, scale, block_size, impl, skip_epsilon=None):  # noqa: ANN001, ANN202
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if impl == "chunked":
         return out, q.new_empty(lse_shape(q, k, block_size), dtype=lse_dtype(q))
@@ -73,11 +74,12 @@ def attention_bwd(
     scale: float,
     block_size: int,
     impl: str,
+    skip_epsilon: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dphi); dphi is an empty tensor when there is no field (custom ops return tensors)."""
     if impl == "chunked":
         seg = None if segment_ids is None else check_segment_ids(segment_ids, k)
-        args = (dout, q, k, v, phi, out, lse, resolve_kind(kind), scale, block_size, seg)
+        args = (dout, q, k, v, phi, out, lse, resolve_kind(kind), scale, block_size, seg, skip_epsilon)
         dq, dk, dv, dphi = chunked_backward(*args)
     else:
         from fpa_model.ops.fpa.triton_kernel import triton_backward
@@ -88,23 +90,23 @@ def attention_bwd(
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, phi, segment_ids, out, lse, kind, scale, block_size, impl):  # noqa: ANN001, ANN202
+def _(dout, q, k, v, phi, segment_ids, out, lse, kind, scale, block_size, impl, skip_epsilon=None):  # noqa: ANN001, ANN202
     dphi = q.new_empty(0) if phi is None else phi.new_empty(phi.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dphi
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    q, k, v, phi, segment_ids, kind, scale, block_size, impl = inputs
+    q, k, v, phi, segment_ids, kind, scale, block_size, impl, skip_epsilon = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, phi, segment_ids, out, lse)
-    ctx.args = (kind, scale, block_size, impl)
+    ctx.args = (kind, scale, block_size, impl, skip_epsilon)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):  # noqa: ANN001, ANN202
     q, k, v, phi, segment_ids, out, lse = ctx.saved_tensors
     dq, dk, dv, dphi = attention_bwd(dout.contiguous(), q, k, v, phi, segment_ids, out, lse, *ctx.args)
-    return dq, dk, dv, None if phi is None else dphi, None, None, None, None, None
+    return dq, dk, dv, None if phi is None else dphi, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -121,6 +123,7 @@ def attention(
     block_size: int = 64,
     segment_ids: Tensor | None = None,
     impl: str = "chunked",
+    skip_epsilon: float | None = None,
 ) -> Tensor:
     """The attention output through the custom op (same contract as fpa_attention with impl chunked or
     triton); checks its inputs as those paths do before the op runs."""
@@ -131,4 +134,5 @@ def attention(
         from fpa_model.ops.fpa.chunked import _validate
 
         _validate(q, k, v, phi, spec, block_size)
-    return attention_fwd(q, k, v, phi, segment_ids, spec.name, _scale(q, scale), int(block_size), impl)[0]
+    args = (q, k, v, phi, segment_ids, spec.name, _scale(q, scale), int(block_size), impl)
+    return attention_fwd(*args, skip_epsilon)[0]

@@ -1,0 +1,127 @@
+"""Tile skipping: cross tiles whose logits are provably negligible are never computed (sticky erasure).
+
+The bound (kinds with a field; softmax has no field to erase with and skips nothing). For a query tile I
+against an earlier key tile J, with P_i the prefix minimum of phi inside I, S_j the suffix minimum inside
+J, M the minimum of phi over the blocks strictly between, and q already multiplied by the logit scale:
+
+    fpa: logit_ij = q_i.k_j + min(P_i, M, S_j) - phi_j
+                 <= |q_i| max_J|k| + min(P_i - min_J phi, max_{j in J}(min(M, S_j) - phi_j))
+    fox: logit_ij = q_i.k_j + phi_i - phi_j  <=  |q_i| max_J|k| + phi_i - min_J phi
+
+(Cauchy-Schwarz for the dot product; min(a, c_j) - phi_j <= min(a - min phi, c_j - phi_j) for the bias.)
+The reference of row i is its diagonal logit r_i = q_i.k_i (b_ii = 0), which every row has, so the
+row's full log-sum-exp is >= r_i whatever else it attends to (documents included). The tile is skipped
+when, for every real query row i of I, bound_i < r_i - tau with tau = log(Tk / epsilon): each skipped
+key then has softmax weight < e^-tau = epsilon / Tk in its row, and a row has fewer than Tk keys, so
+
+    GUARANTEE: the softmax mass a row loses to skipped tiles is < epsilon (up to float32 rounding of the
+    logits), hence each output row moves by < 2 * epsilon * max|v| (out = (1 - m) out_kept + m out_skip).
+
+The reference is the diagonal logit, not a running maximum, so the decision does not depend on the
+order or the size of the tiles visited before: the forward and the backward (which recompute it from the
+same q, k, phi with the same arithmetic) skip the same tiles, and a skipped tile contributes no
+gradient. The decision is per (query tile, key tile, batch*head) at the path's own tile size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+def check_skip_epsilon(epsilon: float | None, *, where: str = "skip_epsilon") -> float | None:
+    """epsilon as a float in (0, 1), None for off; a one-line error for anything else."""
+    if epsilon is None:
+        return None
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise ValueError(f"{where} must be a number in (0, 1) or null (off); got {epsilon!r}")
+    eps = float(epsilon)
+    if not (0.0 < eps < 1.0):  # NaN fails this too
+        raise ValueError(f"{where} must be in (0, 1) (the softmax mass a row may lose) or null; got {eps}")
+    return eps
+
+
+def skip_tau(n_keys: int, epsilon: float) -> float:
+    """The logit margin below the diagonal logit past which a key's weight is < epsilon / n_keys."""
+    return math.log(max(n_keys, 1) / epsilon)
+
+
+@dataclass
+class SkipCounts:
+    """Cross tiles (query tile x key tile x batch*head) the forward passes computed and skipped."""
+
+    kept: int = 0
+    skipped: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.kept + self.skipped
+
+    @property
+    def fraction_skipped(self) -> float:
+        return self.skipped / self.total if self.total else 0.0
+
+
+_ACTIVE: list[SkipCounts] = []
+
+
+@contextlib.contextmanager
+def skip_counts() -> Iterator[SkipCounts]:
+    """Counts the cross tiles of every skipping forward inside the block (diagonal tiles are never
+    skipped and not counted; backward passes are not counted, they skip the same tiles)."""
+    counts = SkipCounts()
+    _ACTIVE.append(counts)
+    try:
+        yield counts
+    finally:
+        _ACTIVE.remove(counts)
+
+
+def record(kept: int, skipped: int) -> None:
+    for c in _ACTIVE:
+        c.kept += kept
+        c.skipped += skipped
+
+
+class TileBound:
+    """The per-block parts of the bound for one call, in the chunked path's block-major layout.
+
+    qs (nq, BH, bs, D) queries times the scale, k (n_blk, BH, bs, D), phi (n_blk, BH, bs); query block i is
+    key block qb0 + i. Rows that are padding (front rows of the first query block, back rows of the last)
+    never hold a tile back. keep(...) answers for the tiles of one block diagonal."""
+
+    def __init__(self, qs, k, phi, *, range_min: bool, qb0: int, front: int, back: int, tk: int, eps: float):
+        self.range_min = range_min
+        self.qn = qs.norm(dim=-1)  # (nq, BH, bs)
+        ref = (qs * k[qb0:]).sum(dim=-1)  # the diagonal logit q_i.k_i
+        # Padding rows: +inf reference, so bound - ref is -inf there.
+        if front:
+            ref[0, :, :front] = math.inf
+        if back:
+            ref[-1, :, ref.shape[-1] - back :] = math.inf
+        self.neg_ref = -ref
+        self.kmax = k.norm(dim=-1).amax(dim=-1)  # (n_blk, BH)
+        self.phi = phi
+        self.phi_min = phi.amin(dim=-1)  # (n_blk, BH)
+        self.phi_q = phi[qb0:]
+        self.tau = skip_tau(tk, eps)
+
+    def keep(self, qb: torch.Tensor, kb: torch.Tensor, p_min=None, s_min=None, m_run=None) -> torch.Tensor:
+        """(len(qb), BH) bool: tiles (query block index qb, key block kb) that the bound cannot rule out.
+
+        fpa needs p_min (len, BH, bs) of the query blocks, s_min (len, BH, bs) of the key blocks and
+        m_run (len, BH), the minimum strictly between them (+inf when adjacent)."""
+        lead = self.qn[qb] * self.kmax[kb].unsqueeze(-1) + self.neg_ref[qb]  # (len, BH, bs)
+        if self.range_min:
+            c = torch.minimum(s_min, m_run.unsqueeze(-1)).sub_(self.phi[kb]).amax(dim=-1)  # (len, BH)
+            bias = torch.minimum(p_min - self.phi_min[kb].unsqueeze(-1), c.unsqueeze(-1))
+        else:
+            bias = self.phi_q[qb] - self.phi_min[kb].unsqueeze(-1)
+        return ~((lead + bias).amax(dim=-1) < -self.tau)  # NaN keeps its tile (and propagates)
+
+
+__all__ = ["SkipCounts", "TileBound", "check_skip_epsilon", "record", "skip_counts", "skip_tau"]
