@@ -261,3 +261,53 @@ def test_skipping_asked_of_the_naive_oracle_or_the_triton_kernel_is_refused():
         fpa_attention(q, k, v, None, kind="softmax", impl="naive", skip_epsilon=1e-3),
         fpa_attention(q, k, v, None, kind="softmax", impl="naive"),
     )
+
+
+@pytest.mark.parametrize("min_run", [1, 10**9])
+def test_slices_and_gathered_tiles_give_the_same_result(monkeypatch, min_run):
+    """Runs of kept tiles go as slices, the rest gathered by index: forcing either way changes nothing
+    beyond float rounding (documents on, most tiles skipped, some kept in fragments)."""
+    import fpa_model.ops.fpa.chunked as chunked
+
+    q, k, v, gen = _inputs(11)
+    phi = _sawtooth_walk(*k.shape[:3], gen, depth=12.0, period=24)
+    seg = torch.tensor([[0] * 60 + [1] * 68, [0] * 128])
+
+    def run():
+        return _grads(
+            lambda *a: chunked_fpa_attention(*a, block_size=8, segment_ids=seg, skip_epsilon=1e-3),
+            (q, k, v, phi),
+        )
+
+    with skip_counts() as counts:
+        out, grads = run()
+    assert 0.2 * counts.total < counts.skipped < 0.95 * counts.total
+    monkeypatch.setattr(chunked, "_MIN_RUN", min_run)
+    out_m, grads_m = run()
+    torch.testing.assert_close(out_m, out, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads_m, grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_with_skipping_trains_the_same_loss_and_gradients_within_epsilon():
+    """model.attention.skip_epsilon reaches every layer: most tiles go and the loss and its gradients move
+    by no more than the guarantee allows."""
+    from fpa_model.config import ModelConfig
+    from fpa_model.model import GPT
+
+    losses, grads = [], []
+    for eps in (None, 1e-3):
+        torch.manual_seed(0)
+        attn = AttentionConfig(skip_epsilon=eps, block_size=16, field_bias_init=[-3.0, -1.0])
+        model = GPT(ModelConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, attention=attn))
+        idx = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(1))
+        with skip_counts() as counts:
+            logits = model(idx)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if eps is not None:
+            assert counts.skipped > 0.5 * counts.total  # strong decay at init: most old tiles go
+    assert abs(losses[1] - losses[0]) < 1e-3
+    assert float((grads[1] - grads[0]).abs().max()) < 1e-3
