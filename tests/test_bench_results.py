@@ -161,3 +161,23 @@ def test_sequence_parallel_markdown() -> None:
     assert "| 2048 | 0.60 / 0.70 | 0.90 / 0.70 |" in md
     ratios, figures = md.split("## Ratios\n")[1].split("## Seconds and MB\n")
     assert "Command: `python bench/x.py --flag`" in ratios and "| 2048 | zigzag |" in figures
+
+
+def test_tile_skipping_bench_writes_its_figures(tmp_path):
+    """bench/tile_skipping.py at toy sizes: every field measured against every tile and SDPA, the sawtooth
+    field skips most tiles, and every output change is inside the guarantee."""
+    bench = _bench("tile_skipping")
+    args = ["--lengths", "512", "--heads", "2", "--head-dim", "16", "--block-size", "32", "--repeats", "1"]
+    assert bench.main([*args, "--result-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "result.json").read_text())
+    rows = {r["field"]: r for r in data["rows"]}
+    assert set(rows) == set(bench.FIELDS)
+    assert rows["fpa-sawtooth"]["fraction_skipped"] > 0.9
+    for r in rows.values():
+        assert r["tiles"] == 2 * 16 * 15 // 2  # batch*head x the cross tiles of 16 blocks
+        assert r["max_out_diff"] < r["guarantee"]
+        assert set(r["ms"]) == {"every tile", "skipping", "sdpa"}
+    md = (tmp_path / "result.md").read_text()
+    assert "| 512 | fpa-sawtooth |" in md and data["provenance"]["command"].startswith(
+        "python bench/tile_skipping"
+    )
