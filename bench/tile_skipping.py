@@ -10,6 +10,10 @@ Fields (phi, per head):
     fpa-walk      phi = cumsum(0.3 u), u ~ N(0, 1): a random walk, the sticky dips of chance alone
     fpa-sawtooth  phi = cumsum of increments that dip by 30 every 64 tokens: most old keys erased
     fox-gate      phi = cumsum(logsigmoid(u + 3)): FoX's decay at its usual init
+    trained-L<n>  with --export RUN/export: q, k, v, phi of layer n of a trained model, its projections
+                  applied to real text (the last verses of the packaged KJV, T tokens of the run's
+                  tokenizer); the layer's own kind, and the loss of the whole model on that text with
+                  skipping off and on
 
 Usage: python bench/tile_skipping.py [--lengths 2048,8192] [--heads 8] [--head-dim 64] [--block-size 128]
                                      [--epsilon 1e-3] [--repeats 5] [--quick] [--no-result]
@@ -47,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: T=512, 2 heads, 2 repeats, no result")
     ap.add_argument("--result-dir", type=Path, default=None, help="default docs/results/tile_skipping")
     ap.add_argument("--no-result", action="store_true", help="write no result file")
+    ap.add_argument("--export", type=Path, default=None, help="a trained run's export dir: its fields too")
     return ap.parse_args(argv)
 
 
@@ -66,6 +71,59 @@ def inputs(field: str, t: int, h: int, d: int, seed: int = 0):
     return q, k, v, field_of(field, h, t, g), torch.randn(1, h, t, d, generator=g)
 
 
+def text_tokens(export: Path, t: int) -> torch.Tensor:
+    """(1, t) token ids: the last verses of the packaged KJV under the run's tokenizer."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from data_prep.sources import packaged_path
+
+    tok = Tokenizer.from_file(str(export.parent / "data" / "tokenizer.json"))
+    lines = packaged_path("kjv").read_text().splitlines()
+    ids: list[int] = []
+    n = 64
+    while len(ids) < t and n <= len(lines):
+        ids = tok.encode(" ".join(json.loads(x)["text"] for x in lines[-n:])).ids
+        n *= 2
+    if len(ids) < t:
+        raise SystemExit(f"the packaged corpus holds fewer than {t} tokens under {export}'s tokenizer")
+    return torch.tensor(ids[-t:])[None]
+
+
+def trained_fields(export: Path, t: int):
+    """The model, its token ids and [(layer name, kind, q, k, v, phi)] captured from one forward."""
+    from pipeline.export import load_exported
+
+    model = load_exported(export)
+    idx = text_tokens(export, t)
+    captured = []
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        orig = attn.attend
+
+        def grab(q, k, v, phi, segment_ids=None, _orig=orig, _i=i, _attn=attn):
+            captured.append(
+                (f"trained-L{_i}", _attn.spec.name, q.detach(), k.detach(), v.detach(), phi.detach())
+            )
+            return _orig(q, k, v, phi, segment_ids)
+
+        attn.attend = grab
+    with torch.no_grad():
+        model(idx)
+    for block in model.blocks:
+        del block.attn.attend
+    return model, idx, captured
+
+
+def model_loss(model, idx: torch.Tensor, eps: float | None) -> float:
+    for block in model.blocks:
+        block.attn.cfg.skip_epsilon = eps
+    with torch.no_grad():
+        logits = model(idx)
+    return float(F.cross_entropy(logits[0, :-1], idx[0, 1:]))
+
+
 def make_run(q, k, v, phi, dout, kind: str | None, bs: int, eps: float | None):
     leaves = [x.clone().requires_grad_() for x in (q, k, v, phi)]
 
@@ -81,9 +139,13 @@ def make_run(q, k, v, phi, dout, kind: str | None, bs: int, eps: float | None):
     return run
 
 
-def measure(field: str, t: int, h: int, d: int, bs: int, eps: float, repeats: int) -> dict:
-    kind = field.split("-")[0]
-    q, k, v, phi, dout = inputs(field, t, h, d)
+def measure(field: str, t: int, h: int, d: int, bs: int, eps: float, repeats: int, given=None) -> dict:
+    if given is None:
+        kind = field.split("-")[0]
+        q, k, v, phi, dout = inputs(field, t, h, d)
+    else:  # a trained layer's tensors
+        kind, q, k, v, phi = given
+        dout = torch.randn(v.shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = chunked_fpa_attention(q, k, v, phi, kind=kind, block_size=bs)
         with skip_counts() as counts:
@@ -108,7 +170,7 @@ def measure(field: str, t: int, h: int, d: int, bs: int, eps: float, repeats: in
     }
 
 
-def result_markdown(rows: list[dict], args: argparse.Namespace, prov: dict) -> str:
+def result_markdown(rows: list[dict], losses: list[dict], args: argparse.Namespace, prov: dict) -> str:
     from bench.results import markdown_table, provenance_md
 
     table = []
@@ -148,6 +210,23 @@ def result_markdown(rows: list[dict], args: argparse.Namespace, prov: dict) -> s
             "",
             markdown_table(header, table),
         ]
+        + (
+            [
+                "",
+                f"Trained fields: layers of `{args.export}` (B=1, its own heads and head size) on the last "
+                "verses of the packaged KJV; the whole model's loss on that text, skipping off / on:",
+                "",
+                markdown_table(
+                    ["T", "loss, every tile", "loss, skipping", "difference"],
+                    [
+                        [x["T"], f"{x['off']:.6f}", f"{x['on']:.6f}", f"{x['on'] - x['off']:+.1e}"]
+                        for x in losses
+                    ],
+                ),
+            ]
+            if losses
+            else []
+        )
     )
 
 
@@ -164,11 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         f"tile skipping, fwd+bwd, fp32, B=1, H={args.heads}, D={args.head_dim}, block {args.block_size}, "
         f"epsilon {args.epsilon:g}, threads={torch.get_num_threads()}"
     )
-    rows = []
+    rows, losses = [], []
     for t in lengths:
         reps = args.repeats if t <= 4096 else min(args.repeats, 3)
-        for field in FIELDS:
-            r = measure(field, t, args.heads, args.head_dim, args.block_size, args.epsilon, reps)
+        cases = [(field, None) for field in FIELDS]
+        if args.export is not None:
+            model, idx, captured = trained_fields(args.export, t)
+            cases += [(name, (kind, q, k, v, phi)) for name, kind, q, k, v, phi in captured]
+            loss = {"T": t, "off": model_loss(model, idx, None), "on": model_loss(model, idx, args.epsilon)}
+            losses.append(loss)
+            print(f"T={t:>6} trained model loss on the text: {loss['off']:.6f} off, {loss['on']:.6f} on")
+        for field, given in cases:
+            r = measure(field, t, args.heads, args.head_dim, args.block_size, args.epsilon, reps, given)
             rows.append(r)
             ms = r["ms"]
             print(
@@ -180,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     if not args.no_result:
         finish_provenance(prov)
-        data = {"args": vars(args) | {"result_dir": None}, "rows": rows, "provenance": prov}
-        out = write_result("tile_skipping", data, result_markdown(rows, args, prov), args.result_dir)
+        meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        data = {"args": meta, "rows": rows, "losses": losses, "provenance": prov}
+        out = write_result("tile_skipping", data, result_markdown(rows, losses, args, prov), args.result_dir)
         print(f"wrote {out}/result.json and result.md")
     return 0
 

@@ -181,3 +181,40 @@ def test_tile_skipping_bench_writes_its_figures(tmp_path):
     assert "| 512 | fpa-sawtooth |" in md and data["provenance"]["command"].startswith(
         "python bench/tile_skipping"
     )
+
+
+def test_tile_skipping_bench_reads_a_trained_runs_fields(tmp_path):
+    """--export: every layer's q, k, v, phi captured from the model on real text, timed as the synthetic
+    fields are, and the model's loss with skipping off and on (equal within the guarantee's reach)."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from data_prep.sources import packaged_path
+    from fpa_model.model import GPT
+    from pipeline.config import load_config, to_yaml
+    from pipeline.export import CONFIG, WEIGHTS
+
+    (tmp_path / "data").mkdir()
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = packaged_path("kjv").read_text().splitlines()[-400:]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "data" / "tokenizer.json"))
+    cfg = load_config([ROOT / "configs/tiny.yaml"], ["model.vocab_size=200"])
+    torch.manual_seed(0)
+    sd = {k: v.contiguous() for k, v in GPT(cfg.model).state_dict().items() if k != "lm_head.weight"}
+    export = tmp_path / "export"
+    export.mkdir()
+    save_file(sd, str(export / WEIGHTS))
+    (export / CONFIG).write_text(to_yaml(cfg))
+    bench = _bench("tile_skipping")
+    args = ["--lengths", "256", "--heads", "2", "--head-dim", "16", "--block-size", "32", "--repeats", "1"]
+    assert bench.main([*args, "--export", str(export), "--result-dir", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "result.json").read_text())
+    trained = [r for r in data["rows"] if r["field"].startswith("trained-L")]
+    assert [r["field"] for r in trained] == [f"trained-L{i}" for i in range(cfg.model.n_layer)]
+    assert all(r["tiles"] == cfg.model.n_head * 8 * 7 // 2 for r in trained)
+    (loss,) = data["losses"]
+    assert loss["T"] == 256 and abs(loss["on"] - loss["off"]) < 1e-3
+    assert "| 256 | trained-L0 |" in (tmp_path / "out" / "result.md").read_text()
