@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.results import finish_provenance, markdown_table, provenance, provenance_md, write_result
+from pipeline.provenance import finish_provenance, markdown_table, provenance, provenance_md, write_result
 
 
 def read_run(run: Path) -> dict:

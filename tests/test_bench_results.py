@@ -218,3 +218,32 @@ def test_tile_skipping_bench_reads_a_trained_runs_fields(tmp_path):
     (loss,) = data["losses"]
     assert loss["T"] == 256 and abs(loss["on"] - loss["off"]) < 1e-3
     assert "| 256 | trained-L0 |" in (tmp_path / "out" / "result.md").read_text()
+
+
+def test_tile_skipping_training_compares_two_runs(tmp_path):
+    """experiments/tile_skipping_training.py over two written runs: the loss differences and times come
+    from their metrics and manifests, and the runs' order (off, then on) is checked."""
+    from experiments.tile_skipping_training import main
+    from pipeline.config import load_config, to_yaml
+
+    for name, eps, losses, seconds in (
+        ("off", None, [3.0, 2.5, 2.0], 100.0),
+        ("on", 1e-3, [3.0, 2.6, 1.9], 90.0),
+    ):
+        run = tmp_path / name
+        (run / "manifests").mkdir(parents=True)
+        over = [f"name={name}"] + ([f"model.attention.skip_epsilon={eps}"] if eps else [])
+        (run / "config.yaml").write_text(to_yaml(load_config([ROOT / "configs/tiny.yaml"], over)))
+        rows = [{"step": i + 1, "loss": x, "passkey_loss": 0.1 * x} for i, x in enumerate(losses)]
+        rows.append({"step": 3, "val_loss": losses[-1] + 0.5})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "manifests" / "train.json").write_text(json.dumps({"seconds": seconds, "git": {"sha": "abc"}}))
+    assert main([str(tmp_path / "off"), str(tmp_path / "on"), "--result-dir", str(tmp_path / "out")]) == 0
+    s = json.loads((tmp_path / "out" / "result.json").read_text())["summary"]
+    assert s["steps"] == 3 and abs(s["max_train_loss_diff"] - 0.1) < 1e-9
+    assert s["val"] == [{"step": 3, "off": 2.5, "on": 2.4}] and s["seconds"] == {"off": 100.0, "on": 90.0}
+    assert "| 3 | 2.5000 | 2.4000 | -0.1000 |" in (tmp_path / "out" / "result.md").read_text()
+    import pytest
+
+    with pytest.raises(SystemExit, match="first run must have skipping off"):
+        main([str(tmp_path / "on"), str(tmp_path / "off"), "--result-dir", str(tmp_path / "out2")])
