@@ -81,19 +81,13 @@ class AttentionConfig:
                 f"model.attention.log_scale_length must be >= 2 (a training length) or null; "
                 f"got {self.log_scale_length}"
             )
-        if self.skip_epsilon is not None:
-            eps = self.skip_epsilon
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < eps < 1.0):
-                raise ValueError(
-                    "model.attention.skip_epsilon must be in (0, 1) (the softmax mass a row may lose to "
-                    f"skipped tiles) or null (off); got {eps!r}"
-                )
-            if self.impl in ("naive", "triton"):
-                raise ValueError(
-                    f"model.attention.skip_epsilon is served by impl chunked (or auto on CPU); got impl "
-                    f"{self.impl!r} (the naive oracle computes every pair; the Triton kernels do not skip "
-                    "yet)"
-                )
+        skip = check_skip_epsilon(self.skip_epsilon, where="model.attention.skip_epsilon")
+        if skip is not None and self.impl in ("naive", "triton"):
+            raise ValueError(
+                f"model.attention.skip_epsilon is served by impl chunked (or auto on CPU); got impl "
+                f"{self.impl!r} (the naive oracle computes every pair; the Triton kernels do not skip "
+                "yet)"
+            )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(
                 f"model.attention.qk_norm_scale={self.qk_norm_scale} needs model.attention.qk_norm=true "
@@ -134,6 +128,19 @@ class ModelConfig:
         if self.mlp_hidden is not None:
             return self.mlp_hidden
         return ((8 * self.d_model // 3) + 63) // 64 * 64
+
+
+def check_skip_epsilon(epsilon: float | None, *, where: str = "skip_epsilon") -> float | None:
+    """epsilon as a float in (0, 1) (the softmax mass a row may lose to skipped tiles), None for off; a
+    one-line error naming `where` for anything else (NaN, bools and strings included)."""
+    if epsilon is None:
+        return None
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise ValueError(f"{where} must be a number in (0, 1) or null (off); got {epsilon!r}")
+    eps = float(epsilon)
+    if not (0.0 < eps < 1.0):  # NaN fails this too
+        raise ValueError(f"{where} must be in (0, 1) (the softmax mass a row may lose) or null; got {eps}")
+    return eps
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:

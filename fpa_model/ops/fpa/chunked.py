@@ -717,17 +717,7 @@ class _Blocks:
 def _forward(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan):
     """Block-major (out (nq, BH, bs, Dv), lse (nq, BH, bs)) in float32."""
     x = _Blocks(q, k, v, phi, kind, scale, plan)
-    masks = _causal_masks(plan.bs, plan.bs, x.qs)
-    buf = plan.workspace(x.qs)
-    out = torch.empty(*x.qs.shape[:-1], x.v.shape[-1], dtype=x.qs.dtype, device=x.qs.device)
-    lse = torch.empty(x.qs.shape[:-1], dtype=x.qs.dtype, device=x.qs.device)
-    for qi, ki in plan.groups(0):
-        n = (qi.stop - qi.start) * plan.bh
-        phi_d = None if x.phi is None else _f(x.phi[ki])
-        s, _ = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, False, buf[:n])
-        o, l = _finish_softmax(s, _f(x.v[ki]), masks[2])
-        out[qi] = o.view_as(out[qi])
-        lse[qi] = l.view_as(lse[qi])
+    out, lse, buf = _diag_forward_pass(x, kind, plan, None)
     if plan.n_blk == 1:
         return out, lse
     field = _Field(x.phi, plan) if kind.range_min else None
@@ -773,24 +763,24 @@ def _forward_exact(x: _Blocks, out, lse, kind: AttentionKind, plan: _Plan, buf):
     return out, lse
 
 
+def _grads_from_blocks(dq, dk, dv, dphi, dphi_m, bh_shape, plan: _Plan, scale: float):
+    """The block-major gradients of a backward as (B, H, T, *) tensors: dq scaled, dphi (None without a
+    field) plus the between-blocks part dphi_m ((B*H, n_blk * bs), None unless fpa)."""
+    b, h = bh_shape
+    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
+    dk = _from_blocks(dk, b, h, 0, plan.tk)
+    dv = _from_blocks(dv, b, h, 0, plan.tk)
+    if dphi is not None:
+        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
+        if dphi_m is not None:
+            dphi = dphi + dphi_m[:, : plan.tk].reshape(b, h, plan.tk)
+    return dq, dk, dv, dphi
+
+
 def _backward(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale: float, plan: _Plan):
-    b, h = q.shape[:2]
     x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
     x.set_ref(lse)
-    masks = _causal_masks(plan.bs, plan.bs, x.qs)
-    buf_p, buf_ds, buf_w = plan.workspace(x.qs), plan.workspace(x.qs), plan.workspace(x.qs)
-    dq, dk, dv = torch.zeros_like(x.qs), torch.zeros_like(x.k), torch.zeros_like(x.v)
-    dphi = torch.zeros_like(x.phi) if kind.has_field else None
-    for qi, ki in plan.groups(0):
-        n = (qi.stop - qi.start) * plan.bh
-        phi_d = None if x.phi is None else _f(x.phi[ki])
-        p, arg = _diag_scores(_f(x.qa[qi]), _f(x.ka[ki]), phi_d, kind, masks, True, buf_p[:n])
-        ds = _bwd_tile(
-            p, _f(x.qs[qi]), _f(x.k[ki]), _f(x.v[ki]), _f(x.va[ki]), _f(x.do[qi]), _f(x.doa[qi]),
-            _f(dq[qi]), _f(dk[ki]), _f(dv[ki]), buf_ds[:n], keep=masks[2],
-        )  # fmt: skip
-        if dphi is not None:
-            _f(dphi[ki]).add_(_route_diag(ds, arg, kind, buf_w[:n]))
+    dq, dk, dv, dphi, (buf_p, buf_ds, buf_w) = _diag_backward_pass(x, kind, plan, None)
     field = _Field(x.phi, plan) if kind.range_min else None
     dphi_m = (
         torch.zeros(plan.bh, plan.n_blk * plan.bs, dtype=x.qs.dtype, device=x.qs.device)
@@ -822,14 +812,7 @@ def _backward(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale: float, p
                 _f(dphi[ki]).add_(dphi_k)
                 # The between-blocks min is one scalar per tile: its gradient lands on its argmin.
                 dphi_m.scatter_add_(-1, field.m_arg[qi].transpose(0, 1), dm.view(-1, plan.bh).transpose(0, 1))
-    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
-    dk = _from_blocks(dk, b, h, 0, plan.tk)
-    dv = _from_blocks(dv, b, h, 0, plan.tk)
-    if dphi is not None:
-        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
-        if dphi_m is not None:
-            dphi = dphi + dphi_m[:, : plan.tk].reshape(b, h, plan.tk)
-    return dq, dk, dv, dphi
+    return _grads_from_blocks(dq, dk, dv, dphi, dphi_m, q.shape[:2], plan, scale)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -899,7 +882,7 @@ def _finish_softmax_masked(s: torch.Tensor, v: torch.Tensor, keep: torch.Tensor)
 
 
 def _diag_forward_pass(x: _Blocks, kind: AttentionKind, plan: _Plan, segb: torch.Tensor | None):
-    """The diagonal tiles of the document (segb) or skipping paths: block-major (out, lse), workspace."""
+    """The diagonal tiles (with documents when segb is given): block-major (out, lse) and the workspace."""
     masks = _causal_masks(plan.bs, plan.bs, x.qs)
     causal = masks[2].bool()
     buf = plan.workspace(x.qs)
@@ -974,7 +957,7 @@ def _forward_segments(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Pl
 
 def _diag_backward_pass(x: _Blocks, kind: AttentionKind, plan: _Plan, segb: torch.Tensor | None):
     """The diagonal tiles' gradients (block-major dq unscaled, dk, dv, dphi or None) and the three
-    workspaces, for the document (segb) or skipping paths; x has its reference set to the final lse."""
+    workspaces (with documents when segb is given); x has its reference set to the final lse."""
     bh, bs = plan.bh, plan.bs
     masks = _causal_masks(bs, bs, x.qs)
     causal = masks[2].bool()
@@ -1003,7 +986,6 @@ def _diag_backward_pass(x: _Blocks, kind: AttentionKind, plan: _Plan, segb: torc
 
 def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, plan: _Plan, segb):
     """_backward with documents (the tiles and masks of _forward_segments)."""
-    b, h = q.shape[:2]
     bh, bs = plan.bh, plan.bs
     x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
     x.set_ref(lse)
@@ -1045,14 +1027,7 @@ def _backward_segments(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale,
                 dphi[plan.qb0 :].index_add_(0, qi, dphi_q.view(-1, bh, bs))
                 dphi.index_add_(0, ki, dphi_k.view(-1, bh, bs))
                 dphi_m.scatter_add_(-1, field.m_arg[qi].transpose(0, 1), dm.view(-1, bh).transpose(0, 1))
-    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
-    dk = _from_blocks(dk, b, h, 0, plan.tk)
-    dv = _from_blocks(dv, b, h, 0, plan.tk)
-    if dphi is not None:
-        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
-        if dphi_m is not None:
-            dphi = dphi + dphi_m[:, : plan.tk].reshape(b, h, plan.tk)
-    return dq, dk, dv, dphi
+    return _grads_from_blocks(dq, dk, dv, dphi, dphi_m, q.shape[:2], plan, scale)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1093,6 +1068,7 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
     so consume them in order. count: add the kept and skipped tiles to skipping.skip_counts."""
     bh, dev = plan.bh, x.qs.device
     lanes = torch.arange(bh, device=dev)
+    step = plan.group * bh  # tiles per batched step: the workspace holds that many
     first = last = None
     if segb is not None:
         first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
@@ -1115,6 +1091,7 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
             n_keep = int(keep.sum())
             skipping.record(n_keep, n_vis - n_keep)
         partial = None if segb is None else first[kb] != last[qb]
+        shift = (plan.qb0 - d) * bh  # kt = qt + shift on this diagonal
         for flag in (False, True):
             if partial is None:
                 if flag:
@@ -1126,8 +1103,6 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
             if rows.numel() == 0:
                 continue
             qt = qi[rows] * bh + lanes[lane]  # ascending
-            shift = (plan.qb0 - d) * bh  # kt = qt + shift on this diagonal
-            step = plan.group * bh
             cuts = [0, *((qt[1:] - qt[:-1] != 1).nonzero().flatten() + 1).tolist(), qt.numel()]
             starts = qt[cuts[:-1]].tolist()
             loose = []
@@ -1142,6 +1117,11 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
                 qt = torch.cat(loose)
                 for a in range(0, qt.numel(), step):
                     yield _Step(qt[a : a + step], qt[a : a + step] + shift, flag)
+
+
+def _same_doc(segq_f: torch.Tensor, segk_f: torch.Tensor, st: _Step) -> torch.Tensor:
+    """(n, bs, bs) bool: query and key in one document, for the flat tiles of a step."""
+    return segq_f[st.qt].unsqueeze(-1) == segk_f[st.kt].unsqueeze(-2)
 
 
 def _skip_operands(x: _Blocks, field, st: _Step):
@@ -1166,9 +1146,6 @@ def _forward_skip(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, 
     )  # fmt: skip
     qa_f, ka_f, v_f = _f(x.qa), _f(x.ka), _f(x.v)
 
-    def same_doc(st: _Step) -> torch.Tensor:
-        return segq_f[st.qt].unsqueeze(-1) == segk_f[st.kt].unsqueeze(-2)
-
     # The fast path of _forward: cross logits relative to the diagonal's lse, no per-tile rescaling.
     x.set_ref(lse)
     acc, den = out.clone(), torch.ones_like(lse)
@@ -1182,7 +1159,7 @@ def _forward_skip(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, 
             continue
         _exp_(s)
         if st.partial:
-            s.masked_fill_(~same_doc(st), 0.0)
+            s.masked_fill_(~_same_doc(segq_f, segk_f, st), 0.0)
         _add_at(den_f, st.qt, s.sum(dim=-1))
         _add_at(acc_f, st.qt, torch.bmm(s, v_f[st.kt]))
     if bool(torch.isfinite(den).all()) and bool(torch.isfinite(acc.sum())):
@@ -1196,7 +1173,7 @@ def _forward_skip(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, 
         row, s_min = _skip_operands(x, field, st)
         s = _cross_scores(qa_f[st.qt], ka_f[st.kt], row, s_min, buf[: st.n])
         if st.partial:
-            o_t, l_t = _finish_softmax_masked(s, v_f[st.kt], same_doc(st))
+            o_t, l_t = _finish_softmax_masked(s, v_f[st.kt], _same_doc(segq_f, segk_f, st))
         else:
             o_t, l_t = _finish_softmax(s, v_f[st.kt])
         o_m, l_m = merge_lse(out_f[st.qt], lse_f[st.qt], o_t, l_t)
@@ -1207,13 +1184,12 @@ def _forward_skip(q, k, v, phi, kind: AttentionKind, scale: float, plan: _Plan, 
 
 def _backward_skip(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, plan: _Plan, segb, eps: float):
     """The backward of _forward_skip: the same tiles, decided again from the same inputs."""
-    b, h = q.shape[:2]
     bh, bs = plan.bh, plan.bs
     x = _Blocks(q, k, v, phi, kind, scale, plan, dout=dout, delta=attention_delta(dout, out))
     x.set_ref(lse)
     dq, dk, dv, dphi, (buf_p, buf_ds, buf_w) = _diag_backward_pass(x, kind, plan, segb)
     field = _Field(x.phi, plan) if kind.range_min else None
-    dphi_m = x.qs.new_zeros(bh * plan.n_blk * bs) if field is not None else None
+    dphi_m = x.qs.new_zeros(bh, plan.n_blk * bs) if field is not None else None
     if plan.n_blk > 1:
         bound = skipping.TileBound(
             x.qs, x.k, x.phi, range_min=kind.range_min, qb0=plan.qb0, front=plan.front, back=plan.back,
@@ -1231,7 +1207,7 @@ def _backward_skip(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, pla
             p = _cross_scores(qa_f[qt], ka_f[kt], row, s_min, buf_p[:n])
             keep = None
             if st.partial:
-                keep = segq_f[qt].unsqueeze(-1) == segk_f[kt].unsqueeze(-2)
+                keep = _same_doc(segq_f, segk_f, st)
                 p.masked_fill_(~keep, -_INF)
                 keep = keep.to(p.dtype)
             qs_t, k_t, v_t = qs_f[qt], k_f[kt], v_f[kt]
@@ -1259,15 +1235,8 @@ def _backward_skip(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, pla
                 _add_at(dphi_f, kt, dphi_k)
                 # The between-blocks min of each tile: its gradient lands on its argmin (lane qt % BH).
                 qt_i = torch.arange(qt.start, qt.stop, device=dm.device) if runs else qt
-                dphi_m.index_add_(0, (qt_i % bh) * (plan.n_blk * bs) + _f(field.m_arg)[qt], dm)
-    dq = _from_blocks(dq, b, h, plan.front, plan.tq).mul_(scale)
-    dk = _from_blocks(dk, b, h, 0, plan.tk)
-    dv = _from_blocks(dv, b, h, 0, plan.tk)
-    if dphi is not None:
-        dphi = _from_blocks(dphi.unsqueeze(-1), b, h, 0, plan.tk).squeeze(-1)
-        if dphi_m is not None:
-            dphi = dphi + dphi_m.view(bh, -1)[:, : plan.tk].reshape(b, h, plan.tk)
-    return dq, dk, dv, dphi
+                dphi_m.view(-1).index_add_(0, (qt_i % bh) * (plan.n_blk * bs) + _f(field.m_arg)[qt], dm)
+    return _grads_from_blocks(dq, dk, dv, dphi, dphi_m, q.shape[:2], plan, scale)
 
 
 def _plan_of(q: torch.Tensor, k: torch.Tensor, block_size: int) -> _Plan:

@@ -32,17 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def check_skip_epsilon(epsilon: float | None, *, where: str = "skip_epsilon") -> float | None:
-    """epsilon as a float in (0, 1), None for off; a one-line error for anything else."""
-    if epsilon is None:
-        return None
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
-        raise ValueError(f"{where} must be a number in (0, 1) or null (off); got {epsilon!r}")
-    eps = float(epsilon)
-    if not (0.0 < eps < 1.0):  # NaN fails this too
-        raise ValueError(f"{where} must be in (0, 1) (the softmax mass a row may lose) or null; got {eps}")
-    return eps
+from fpa_model.config import check_skip_epsilon  # the one check, shared with the config
 
 
 def skip_tau(n_keys: int, epsilon: float) -> float:
