@@ -116,6 +116,24 @@ def collective_timeout(default_s: float) -> float:
     return value
 
 
+def default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Make `timeout` the timeout of every process group created from now on, not only the world group's.
+    `torch.distributed.new_group` without a timeout (DeepSpeed's data-parallel clone of the world group,
+    which every ZeRO collective uses; the sequence-parallel groups) takes torch's library default (30 min
+    gloo, 10 min NCCL), not the one init_process_group got; the one knob is distributed_c10d's module
+    default, read at each new_group call. Raises if a torch upgrade removed it
+    (tests/test_collective_timeout.py checks it too)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if not hasattr(c10d, name):
+            raise RuntimeError(
+                f"torch {torch.__version__} has no torch.distributed.distributed_c10d.{name}: "
+                f"{TIMEOUT_ENV} would not reach the process groups made by new_group"
+            )
+        setattr(c10d, name, timeout)
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
     """Initialize torch.distributed through DeepSpeed for the current launcher; idempotent. The
     collective timeout is timeout_s unless FPA_COLLECTIVE_TIMEOUT says otherwise."""
@@ -135,6 +153,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0) -> DistIn
         device = torch.device("cpu")
         skip_cpu_shm_build()
     if not torch.distributed.is_initialized():
+        default_group_timeout(datetime.timedelta(seconds=timeout_s))
         deepspeed.init_distributed(
             dist_backend=backend,
             auto_mpi_discovery=False,
