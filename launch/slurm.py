@@ -179,6 +179,7 @@ def stage_command(cfg: RunConfig, stage: str, prepare_step: str | None = None) -
         template("torchrun.sh"),
         {
             "RDZV_PORT": port,
+            "RDZV_FIXED": " --fixed" if s.rdzv_port else "",
             "NPROC": str(workers_per_task(cfg)),
             "TASKS_PER_NODE": str(s.tasks_per_node),
             "CPUS_PER_TASK": str(s.cpus_per_task),

@@ -4,6 +4,12 @@
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${nodes[0]}
 rdzv_port={{RDZV_PORT}}
+# The batch step runs on the first node, where the head agent will host the rendezvous store: a port
+# that something else listens on would make every agent hang, so check it here (a derived port moves to
+# the next free one; a fixed slurm.rdzv_port fails the job with its holder named).
+if [[ ${SLURMD_NODENAME:-} == "$head_node" ]]; then
+    rdzv_port=$("$PY" -m launch.rendezvous_port "$rdzv_port"{{RDZV_FIXED}})
+fi
 echo "fpa: job ${SLURM_JOB_ID} train: ${SLURM_NTASKS} agents x {{NPROC}} workers, rendezvous ${head_node}:${rdzv_port}," \
     "restart ${SLURM_RESTART_COUNT:-0}"
 # --signal=USR1@N (without B:) makes Slurm send USR1 to every process of the job step. torchrun itself
