@@ -71,8 +71,8 @@ def port_holder(port: int) -> str:
             for fd in (proc / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:[") and target[8:-1] in inodes:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                    return f"pid {proc.name} ({cmd.strip()[:120]})"
+                    cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+                    return f"pid {proc.name} ({' '.join(cmd.split())[:120]})"  # one line
         except OSError:
             continue
     return ""

@@ -9,7 +9,10 @@ on a cluster with a shared /home, and only rank 0 writes the manifest, metrics a
   loss curve equals a one-process run with the same global batch; node names, ranks and the rendezvous
   in the logs and the manifest;
 - faults: a node down at submission (the job pends with a reason naming the node, then runs once the
-  node is back).
+  node is back); a node lost mid-training (the survivors exit, Slurm requeues the job, it resumes from
+  the last complete checkpoint and the loss curve equals the uninterrupted run's bit for bit); a stuck
+  rank (the job ends after FPA_COLLECTIVE_TIMEOUT); the rendezvous port taken on the head node (a derived
+  port moves to a free one, a fixed slurm.rdzv_port fails the job naming the port's holder).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +34,8 @@ from test_slurm import (
     _free_port_pair,
     assert_completed,
     job_records,
+    requeued,
+    start_now,
     wait_done,
     wait_until,
 )
@@ -42,6 +48,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 ROOT = Path(__file__).resolve().parents[1]
 NODES = ["fpanode1", "fpanode2"]
 TOL = 2e-5  # fp32: one process vs 4 ranks at the same global batch (tests/test_train.py)
+STEPS = 24  # long enough that a node can be lost between two checkpoints (every 4 steps)
 
 
 def _cluster_cmd(cmd: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -88,7 +95,9 @@ def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def fast_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("cfg2") / "fast.yaml"
-    path.write_text(FAST_YAML)
+    text = FAST_YAML.replace("max_steps: 6", f"max_steps: {STEPS}").replace("every: 2,", "every: 4,")
+    assert text.count(f"max_steps: {STEPS}") == 1 and text.count("every: 4,") == 1
+    path.write_text(text)
     return path
 
 
@@ -115,6 +124,21 @@ def losses(run_dir: Path) -> dict[int, list[float]]:
     return out
 
 
+def reached_step(run_dir: Path) -> int:
+    """The last step metrics.jsonl records so far (a line being written is not counted)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return max(steps)
+
+
 def last_curve(run_dir: Path) -> dict[int, float]:
     return {s: v[-1] for s, v in losses(run_dir).items()}
 
@@ -124,13 +148,44 @@ def node_state(name: str) -> str:
     return out.stdout.strip()
 
 
-def submit_train(cfg_yaml: Path, over: list[str]) -> tuple[str, Path]:
+def submit_train(cfg_yaml: Path, over: list[str], *, hold: bool = False) -> tuple[str, Path]:
     cfg = load_config([str(cfg_yaml)], over)
     out = cfg.run_dir.resolve() / "slurm"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "train.sbatch"
     path.write_text(sl.render_sbatch(cfg, [str(cfg_yaml)], over, "train"))
-    return sl.sbatch_submit(path), out
+    if not hold:
+        return sl.sbatch_submit(path), out
+    proc = subprocess.run(["sbatch", "--parsable", "--hold", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0], out
+
+
+def namespace(state: Path, node: str) -> str:
+    return next(f[1] for f in map(str.split, (state / "nodes").read_text().splitlines()) if f[0] == node)
+
+
+def train_processes(ns: str) -> dict[int, str]:
+    """pid -> command line of the training workers in a node's namespace (`launch.cli train` processes
+    and their data-loader children; not the torchrun agent that starts them)."""
+    out = {}
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # exited meanwhile
+        if "launch.cli train" in cmd and "torch.distributed.run" not in cmd:
+            out[int(pid)] = cmd
+    return out
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK of a training worker started by torchrun (None for a data-loader child)."""
+    ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    if b"torch.distributed.run" not in Path(f"/proc/{ppid}/cmdline").read_bytes():
+        return None
+    env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+    return int(env[b"RANK"])
 
 
 # -- the cluster itself ------------------------------------------------------------------------------
@@ -226,8 +281,8 @@ def test_two_node_chain_prepares_on_both_nodes_trains_zero2_and_evaluates(
     layout = manifest["result"]["distributed"]
     assert layout["hosts"] == ["fpanode1", "fpanode1", "fpanode2", "fpanode2"]
     assert layout["world_size"] == 4 and layout["run_id"] == train
-    assert manifest["status"] == "done" and manifest["result"]["steps"] == 6
-    meta = json.loads((run_dir / "checkpoints" / "global_step6" / "COMPLETE").read_text())
+    assert manifest["status"] == "done" and manifest["result"]["steps"] == STEPS
+    meta = json.loads((run_dir / "checkpoints" / f"global_step{STEPS}" / "COMPLETE").read_text())
     assert meta["world_size"] == 4
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert report["run"] == "two" and isinstance(report["final_val_loss"], float)
@@ -244,7 +299,7 @@ def test_two_node_chain_prepares_on_both_nodes_trains_zero2_and_evaluates(
     cfg = load_config([str(fast_yaml)], chain["over"])
     one = one_process_curve(fast_yaml, cfg.data_dir, chain["runs"], "one", "train.zero_stage=2")
     two = last_curve(run_dir)
-    assert sorted(two) == sorted(one) == list(range(1, 7))
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
     for s in one:
         assert abs(one[s] - two[s]) <= TOL * max(1.0, abs(one[s])), (s, one[s], two[s])
     chain["one"] = one
@@ -308,3 +363,169 @@ def test_node_down_at_submission_pends_with_a_reason_then_runs(
         subprocess.run(["scontrol", "update", "NodeName=fpanode2", "State=RESUME"], check=True)
     assert_completed(wait_done(job, 180, [logs]), [logs])
     del env, state
+
+
+@pytest.mark.slow
+def test_node_lost_mid_training_requeues_and_resumes_the_same_curve(
+    cluster2: dict, chain: dict, fast_yaml: Path
+) -> None:
+    """SIGKILL to every process of fpanode2 (its slurmd, agent and workers) after the checkpoint of step 8:
+    fpanode1's workers exit on the broken connections (they do not hang), Slurm declares the node DOWN
+    after SlurmdTimeout and requeues the job, which resumes from the last complete checkpoint once the
+    node is back; every replayed step's loss equals the first attempt's and the whole curve equals the
+    uninterrupted two-node run's, bit for bit."""
+    env, state = cluster2["env"], cluster2["dir"]
+    cfg = load_config([str(fast_yaml)], chain["over"])
+    over = two_node_overrides(chain["runs"], "lost", f"data.out_dir={cfg.data_dir}", "train.micro_batch=2")
+    run_dir = chain["runs"] / "lost"
+    job, logs = submit_train(fast_yaml, over)
+    marker = run_dir / "checkpoints" / "global_step8" / "COMPLETE"
+    wait_until(
+        "step 10, after the checkpoint of step 8",
+        lambda: marker.exists() and reached_step(run_dir) >= 10,
+        180,
+        [logs],
+        job=job,
+        poll=0.02,
+    )
+    killed = _cluster_cmd("kill-node", "fpanode2", str(state), env=env)
+    lost_at = time.monotonic()
+    try:
+        assert killed.returncode == 0, killed.stderr
+        # The survivors do not wait for the lost node: their next collective fails and they exit.
+        ns1 = namespace(state, "fpanode1")
+        wait_until("fpanode1's workers to exit", lambda: not train_processes(ns1), 60, [logs])
+        survivors_s = time.monotonic() - lost_at
+        reached = reached_step(run_dir)
+        assert reached < STEPS, f"the run finished (step {reached}) before the node was lost"
+        wait_until("the job to be requeued", lambda: requeued(job, 1), 120, [logs])
+        requeue_s = time.monotonic() - lost_at
+        assert node_state("fpanode2") == "down*", node_state("fpanode2")  # *: not responding
+        # A lost node stays away a while. Brought back within the instant Slurm declared it down, it
+        # races slurmctld's cleanup of the old allocation: the requeued job then starts with an srun
+        # that sees one node and waits forever (Slurm 22.05).
+        wait_until("fpanode1 to be released", lambda: node_state("fpanode1") == "idle", 30, [logs])
+        time.sleep(5)
+    finally:
+        started = _cluster_cmd("start-node", "fpanode2", str(state), env=env)
+    assert started.returncode == 0, started.stderr
+    wait_until("fpanode2 to be back", lambda: node_state("fpanode2") == "idle", 90)
+    time.sleep(2)
+    start_now(job)
+    assert_completed(wait_done(job, 240, [logs]), [logs])
+    print(
+        f"node lost at step ~{reached}: survivors gone {survivors_s:.1f} s, requeued {requeue_s:.1f} s after"
+    )
+    assert survivors_s < 30 and requeue_s < 15 + 45, (survivors_s, requeue_s)  # SlurmdTimeout 15 s
+
+    out = (logs / f"train-{job}.out").read_text()
+    assert "restart 0" in out and "restart 1" in out, out
+    resumed = re.search(r"\[train\] resumed from \S+global_step(\d+) at step (\d+)", out)
+    assert resumed and resumed.group(1) == resumed.group(2), out
+    start = int(resumed.group(1))
+    assert 8 <= start <= reached and start % 4 == 0, (start, reached)
+    curve = losses(run_dir)
+    replayed = sorted(s for s, v in curve.items() if len(v) > 1)
+    assert replayed and replayed == list(range(start + 1, reached + 1)), (replayed, start, reached)
+    assert all(curve[s][0] == curve[s][1] for s in replayed), {s: curve[s] for s in replayed}
+    assert last_curve(run_dir) == last_curve(chain["run_dir"])  # same world size and data order
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_ends_the_job_after_the_collective_timeout(
+    cluster2: dict, chain: dict, fast_yaml: Path
+) -> None:
+    """SIGSTOP to rank 3 on fpanode2 (its node and slurmd stay healthy, no connection breaks): the other
+    ranks' next collective times out after FPA_COLLECTIVE_TIMEOUT (5 s here), they raise, torchrun and
+    `srun --kill-on-bad-exit` end the step, and the job fails within the timeout plus teardown."""
+    state = cluster2["dir"]
+    cfg = load_config([str(fast_yaml)], chain["over"])
+    over = two_node_overrides(
+        chain["runs"],
+        "stuck",
+        f"data.out_dir={cfg.data_dir}",
+        "train.max_steps=1000",
+        "train.checkpoint.every=10000",
+        "slurm.env.FPA_COLLECTIVE_TIMEOUT=5",
+    )
+    run_dir = chain["runs"] / "stuck"
+    job, logs = submit_train(fast_yaml, over)
+    wait_until(
+        "step 3",
+        lambda: reached_step(run_dir) >= 3,
+        180,
+        [logs],
+        job=job,
+        poll=0.05,
+    )
+    ns2 = namespace(state, "fpanode2")
+    stuck = next(pid for pid in train_processes(ns2) if rank_of(pid) == 3)
+    os.kill(stuck, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        recs = wait_done(job, 120, [logs])
+        ended_s = time.monotonic() - stopped_at
+    finally:
+        if Path(f"/proc/{stuck}").exists():
+            os.kill(stuck, signal.SIGKILL)
+    assert recs[0]["JobState"] == "FAILED", recs
+    err = (logs / f"train-{job}.err").read_text()
+    assert re.search(r"[Tt]imed out|timeout", err), err[-3000:]
+    print(f"rank 3 stopped: job ended {ended_s:.1f} s later (collective timeout 5 s)")
+    assert 5 <= ended_s < 5 + 60, ended_s
+    for node in NODES:  # nothing of the job is left on either node
+        wait_until(f"{node} to be clean", lambda n=node: not train_processes(namespace(state, n)), 30)
+
+
+@pytest.mark.slow
+def test_rendezvous_port_taken_on_the_head_node(cluster2: dict, chain: dict, fast_yaml: Path) -> None:
+    """A stranger listens on the job's derived port on fpanode1: the batch script moves the rendezvous to
+    the next free port and the job completes; with that port fixed (slurm.rdzv_port) the job fails at once
+    with the port and the stranger's pid in its error, instead of hanging at the rendezvous."""
+    state = cluster2["dir"]
+    cfg = load_config([str(fast_yaml)], chain["over"])
+    over = two_node_overrides(chain["runs"], "port", f"data.out_dir={cfg.data_dir}", "train.max_steps=2")
+    job, logs = submit_train(fast_yaml, over, hold=True)
+    port = 20000 + int(job) % 20000  # launch/slurm.py: the derived port of restart 0
+    code = (
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('0.0.0.0', {port})); s.listen(8); print('listening', flush=True); time.sleep(600)\n"
+    )
+    stranger = subprocess.Popen(
+        ["ip", "netns", "exec", namespace(state, "fpanode1"), sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert stranger.stdout.readline().strip() == "listening"
+        subprocess.run(["scontrol", "release", job], check=True)
+        assert_completed(wait_done(job, 180, [logs]), [logs])
+        err = (logs / f"train-{job}.err").read_text()
+        moved = re.search(
+            rf"fpa: rendezvous port {port} on fpanode1 is in use by pid (\d+) .*"
+            r"; the rendezvous moves to (\d+)",
+            err,
+        )
+        assert moved and int(moved.group(1)) == stranger.pid, err[-2000:]
+        assert f"rendezvous fpanode1:{moved.group(2)}," in (logs / f"train-{job}.out").read_text()
+
+        fixed = two_node_overrides(
+            chain["runs"],
+            "portfixed",
+            f"data.out_dir={cfg.data_dir}",
+            "train.max_steps=2",
+            f"slurm.rdzv_port={port}",
+        )
+        job2, logs2 = submit_train(fast_yaml, fixed)
+        t0 = time.monotonic()
+        recs = wait_done(job2, 60, [logs2])
+        assert recs[0]["JobState"] == "FAILED" and time.monotonic() - t0 < 30, recs
+        err2 = (logs2 / f"train-{job2}.err").read_text()
+        assert f"fpa: error: rendezvous port {port} on fpanode1 is in use by pid {stranger.pid} (" in err2, (
+            err2
+        )
+        assert not (chain["runs"] / "portfixed" / "metrics.jsonl").exists()  # nothing started
+    finally:
+        stranger.kill()
+        stranger.wait()
