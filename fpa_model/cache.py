@@ -7,8 +7,11 @@ and its running minimum r_j = min_{j <= t <= now} phi_t. The bias of key j for a
     fox: b_ij = phi_i - phi_j                               <=  phi_now - phi_j   (phi never rises)
 
 so once r_j - phi_j < -delta_j, key j stays below -delta_j for every future query and can be dropped for
-good (docs/design.md, "KV cache eviction"). Dropped keys are removed from the tensors (each head keeps its
-own set; heads are padded to the largest kept count and the padding is masked), so memory shrinks.
+good (docs/design.md, "KV cache eviction"). Dropped keys are masked at once and removed from the tensors
+once the largest kept count of a row falls to 3/4 of the slots (each head keeps its own set; heads are
+padded to the largest kept count and the padding is masked), so memory shrinks and a decode step's cost
+follows the keys kept: the tensors are views of buffers with room to spare, so appending a token writes
+its slot instead of copying the cache, and a compaction's copy is paid once per quarter of the slots.
 
 The threshold, per key. Relative to the query's own (diagonal) key, which is never evicted and has
 b_ii = 0, key j weighs w_ij = exp(scale q_i.(k_j - k_i) + b_ij) <= exp(scale Q (|k_j| + K) + b_ij), where
@@ -59,6 +62,8 @@ from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
+COMPACT_AT = 0.75  # compact once the most keys kept in a row are at most this share of the slots
+_SLOTS = ("k", "v", "kn", "phi", "r", "pos", "valid", "seg")  # per-slot tensors, slot dim 2
 
 # An upper bound on sum_{n>=2} 1 / (n ln^2 n): the n = 2 term plus the integral of 1 / (x ln^2 x) from 2.
 _TAIL_SUM_BOUND = 1.0 / (2.0 * math.log(2.0) ** 2) + 1.0 / math.log(2.0)
@@ -138,6 +143,7 @@ class LayerCache:
         self.v: Tensor | None = None
         self.phi: Tensor | None = None  # (B,H,C) fp32, field value at each cached key
         self.r: Tensor | None = None  # (B,H,C) fp32, running min of phi from the key to now
+        self.kn: Tensor | None = None  # (B,H,C) fp32 norm of each cached key (the eviction threshold's)
         self.pos: Tensor | None = None  # (B,H,C) int64 absolute positions
         self.valid: Tensor | None = None  # (B,H,C) bool; False marks padding after compaction
         self.phi_last: Tensor | None = None  # (B,H) field at the newest token (walk/gate accumulate it)
@@ -148,12 +154,14 @@ class LayerCache:
         self.log: list[Eviction] = []
         # model.attention.document_mask: (B,H,C) int64 document of each cached key (None: one sequence).
         self.seg: Tensor | None = None
+        self._buffers: dict[str, Tensor] = {}  # the storage the tensors above are leading views of
 
     # ------------------------------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        """Slots held per (batch, head): the memory actually allocated."""
+        """Slots per (batch, head): kept keys, padding and keys evicted since the last compaction (at most
+        a third more than the most kept in a row). The buffers behind them hold up to twice as many."""
         return 0 if self.k is None else self.k.shape[2]
 
     def kept(self) -> int:
@@ -178,8 +186,8 @@ class LayerCache:
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.k.shape[-1])
         q = torch.full_like(self.q_max, self.q_bound) if self.q_bound is not None else s * self.q_max
         k = torch.full_like(self.k_max, self.k_bound) if self.k_bound is not None else s * self.k_max
-        k_j = self.k.float().norm(dim=-1)  # cached keys are known: their own norm, no slack
-        norms = scale * q[..., None] * (k_j + k[..., None])
+        assert self.kn is not None  # cached keys are known: their own norm, no slack
+        norms = scale * q[..., None] * (self.kn + k[..., None])
         return norms + p.margin + key_budget_log(self.pos, p.max_tokens)
 
     # ------------------------------------------------------------------------------------------------
@@ -222,11 +230,11 @@ class LayerCache:
                 assert self.seg is not None
                 visible = visible & (self.seg[..., None, :] == segment_ids[:, None, :, None])
             logits_old = logits_old.masked_fill(~visible, float("-inf"))
-            logits = torch.cat([logits_old, logits_new], dim=-1)
-            values = torch.cat([self.v.float(), vf], dim=-2)
+            probs = torch.softmax(torch.cat([logits_old, logits_new], dim=-1), dim=-1)
+            c = logits_old.shape[-1]  # two products, not a copy of the cached values
+            out = probs[..., :c] @ self.v.float() + probs[..., c:] @ vf
         else:
-            logits, values = logits_new, vf
-        out = torch.softmax(logits, dim=-1) @ values
+            out = torch.softmax(logits_new, dim=-1) @ vf
         self.append(q, k, v, phi_f, segment_ids)
         return out
 
@@ -239,41 +247,57 @@ class LayerCache:
         ended (earlier than the newest token's) are dropped: no later query can see them."""
         self._append(q, k, v, None if phi is None else phi.float())
         if segment_ids is not None:
-            seg = segment_ids.long()[:, None, :].expand(*k.shape[:3])
-            self.seg = seg.clone() if self.seg is None else torch.cat([self.seg, seg], dim=-1)
-            assert self.valid is not None
+            self._extend("seg", segment_ids.long()[:, None, :].expand(*k.shape[:3]))
+            assert self.valid is not None and self.seg is not None
             done = self.valid & (self.seg < segment_ids[:, -1, None, None])
             if bool(done.any()):
-                self._compact(done)
+                self._drop(done)
         if self.policy.enabled and self.spec.has_field:
             self._evict()
 
+    def _extend(self, name: str, new: Tensor) -> None:
+        """Append `new` along the slot dim (2) of the cached tensor `name`, in place when its buffer has
+        room; a full (or replaced) buffer is reallocated at twice the slots, so appends are amortized
+        O(new) where torch.cat would copy the whole cache every token."""
+        cur: Tensor | None = getattr(self, name)
+        n, t = (0 if cur is None else cur.shape[2]), new.shape[2]
+        buf = self._buffers.get(name)
+        fits = (
+            cur is not None
+            and buf is not None
+            and buf.shape[2] >= n + t
+            and cur.data_ptr() == buf.data_ptr()
+            and cur.stride() == buf.stride()
+        )
+        if not fits:
+            shape = (*new.shape[:2], max(2 * n, n + t, 16), *new.shape[3:])
+            buf = new.new_empty(shape)
+            if cur is not None:
+                buf[:, :, :n] = cur
+            self._buffers[name] = buf
+        assert buf is not None
+        buf[:, :, n : n + t] = new
+        setattr(self, name, buf[:, :, : n + t])
+
     def _append(self, q: Tensor, k: Tensor, v: Tensor, phi: Tensor | None) -> None:
         b, h, t, _ = k.shape
-        pos = torch.arange(self.seen, self.seen + t, device=k.device).expand(b, h, t)
-        valid = torch.ones(b, h, t, dtype=torch.bool, device=k.device)
         q_norm = q.float().norm(dim=-1).amax(-1)
-        k_norm = k.float().norm(dim=-1).amax(-1)
+        k_norms = k.float().norm(dim=-1)
+        k_norm = k_norms.amax(-1)
         self.q_max = q_norm if self.q_max is None else torch.maximum(self.q_max, q_norm)
         self.k_max = k_norm if self.k_max is None else torch.maximum(self.k_max, k_norm)
         if phi is not None:
+            if self.r is not None:  # the running min of every cached key takes in the new tokens
+                torch.minimum(self.r, phi.amin(-1, keepdim=True), out=self.r)
             # r for a new key: min of phi from the key to the newest token (suffix min in the chunk).
-            r_new = torch.flip(torch.cummin(torch.flip(phi, [-1]), dim=-1).values, [-1])
-            if self.r is not None:
-                assert self.phi is not None
-                self.r = torch.cat([torch.minimum(self.r, phi.amin(-1, keepdim=True)), r_new], dim=-1)
-                self.phi = torch.cat([self.phi, phi], dim=-1)
-            else:
-                self.r, self.phi = r_new, phi.clone()
+            self._extend("r", torch.flip(torch.cummin(torch.flip(phi, [-1]), dim=-1).values, [-1]))
+            self._extend("phi", phi)
             self.phi_last = phi[..., -1].clone()
-        if self.k is None:
-            self.k, self.v, self.pos, self.valid = k.clone(), v.clone(), pos.clone(), valid
-        else:
-            assert self.v is not None and self.pos is not None and self.valid is not None
-            self.k = torch.cat([self.k, k], dim=-2)
-            self.v = torch.cat([self.v, v], dim=-2)
-            self.pos = torch.cat([self.pos, pos], dim=-1)
-            self.valid = torch.cat([self.valid, valid], dim=-1)
+        self._extend("k", k)
+        self._extend("v", v)
+        self._extend("kn", k_norms)
+        self._extend("pos", torch.arange(self.seen, self.seen + t, device=k.device).expand(b, h, t))
+        self._extend("valid", torch.ones(b, h, t, dtype=torch.bool, device=k.device))
         self.seen += t
 
     def _evict(self) -> None:
@@ -293,26 +317,28 @@ class LayerCache:
             self.log.append(
                 Eviction(self.seen, bi, hi, self.pos[bi, hi, ci], bias[bi, hi, ci], delta[bi, hi, ci])
             )
-        self._compact(drop)
+        self._drop(drop)
 
-    def _compact(self, drop: Tensor) -> None:
-        """Remove the slots flagged in drop (B,H,C) and shrink the capacity to the most kept per row."""
-        assert self.valid is not None and self.k is not None and self.v is not None and self.pos is not None
-        keep = self.valid & ~drop
+    def _drop(self, drop: Tensor) -> None:
+        """Evict the slots flagged in drop (B,H,C): masked at once (no later query sees them), removed
+        from the tensors once the most kept in a row is at most COMPACT_AT of the slots."""
+        assert self.valid is not None
+        self.valid &= ~drop  # in place: the view of its buffer stays one
+        if int(self.valid.sum(-1).max()) <= COMPACT_AT * self.capacity:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Remove the invalid slots and shrink the slots to the most kept per row."""
+        assert self.valid is not None and self.k is not None
+        keep = self.valid
         new_cap = int(keep.sum(-1).max())
         # Kept slots first, in their original order (a stable sort of the drop flags), then cut.
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :new_cap]
-        d = self.k.shape[-1]
-        idx_d = order[..., None].expand(*order.shape, d)
-        self.k = torch.gather(self.k, 2, idx_d)
-        self.v = torch.gather(self.v, 2, idx_d)
-        if self.phi is not None and self.r is not None:
-            self.phi = torch.gather(self.phi, 2, order)
-            self.r = torch.gather(self.r, 2, order)
-        if self.seg is not None:
-            self.seg = torch.gather(self.seg, 2, order)
-        self.pos = torch.gather(self.pos, 2, order)
-        self.valid = torch.gather(keep, 2, order)
+        idx_d = order[..., None].expand(*order.shape, self.k.shape[-1])
+        for name in _SLOTS:
+            cur = getattr(self, name)
+            if cur is not None:
+                setattr(self, name, torch.gather(cur, 2, idx_d if cur.dim() == 4 else order))
 
     def kept_positions(self, batch: int = 0, head: int = 0) -> list[int]:
         """Absolute positions of the keys still cached for one (batch, head)."""

@@ -247,3 +247,47 @@ def test_tile_skipping_training_compares_two_runs(tmp_path):
 
     with pytest.raises(SystemExit, match="first run must have skipping off"):
         main([str(tmp_path / "on"), str(tmp_path / "off"), "--result-dir", str(tmp_path / "out2")])
+
+
+def test_decode_bench_times_both_caches_on_a_trained_export(tmp_path):
+    """bench/decode.py on a toy export: both caches decode the same number of tokens, the evicting one
+    keeps less than the full one (which keeps everything), and the markdown carries the figures."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from data_prep.sources import packaged_path
+    from fpa_model.model import GPT
+    from pipeline.config import load_config, to_yaml
+    from pipeline.export import CONFIG, WEIGHTS
+
+    (tmp_path / "data").mkdir()
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = packaged_path("kjv").read_text().splitlines()[-400:]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "data" / "tokenizer.json"))
+    over = ["model.vocab_size=200", "data.seq_len=64", "model.n_layer=2"]
+    cfg = load_config([ROOT / "configs/tiny.yaml"], over)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    with torch.no_grad():  # a falling field, as a trained FPA head's: old keys become evictable
+        for blk in model.blocks:
+            blk.attn.field_proj.bias.fill_(-3.0)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    export = tmp_path / "export"
+    export.mkdir()
+    save_file(sd, str(export / WEIGHTS))
+    (export / CONFIG).write_text(to_yaml(cfg))
+    bench = _bench("decode")
+    args = ["--export", str(export), "--multiple", "4", "--new", "6", "--repeats", "2"]
+    assert bench.main([*args, "--result-dir", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert data["prompt"] == 256 and data["train_len"] == 64 and data["margin"] == cfg.eval.cache.margin
+    full, ev = data["medians"]["full cache"], data["medians"]["evicting"]
+    assert full["kept_prompt"] == full["kept_end"] == 1.0
+    assert full["slots_end"] == [256 + 6] * 2  # the prompt and every decoded token, fed back
+    assert 0 < ev["kept_end"] < 0.7 and max(ev["slots_end"]) < 256
+    assert all(len(rs) == 2 for rs in data["runs"].values()) and 0 <= data["agree"] <= 6
+    md = (tmp_path / "out" / "result.md").read_text()
+    assert f"| full cache | {full['tokens_per_s']:.1f} |" in md and "greedy tokens agreeing" in md

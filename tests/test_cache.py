@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fpa_model.cache import (
+    COMPACT_AT,
     EvictionPolicy,
     KVCache,
     LayerCache,
@@ -425,3 +426,39 @@ def test_eviction_decode_equals_forward_without_the_evicted_keys(kv_shift: bool)
     with torch.no_grad():
         ref = _forward_without_evicted(model, idx, cache)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+def test_decoding_appends_in_place_and_compacts_lazily(kind: str) -> None:
+    """A decode step writes its key into the cache's buffers instead of copying the cache (the storage
+    moves only when it grows, by doubling, or when evicted keys are compacted away); an evicted key is
+    masked at once, and the slots shrink once the most kept in a row is at most COMPACT_AT of them. The
+    outputs equal attention over exactly the keys not yet evicted, computed from scratch."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, t, d = 1, 2, 240, 8
+    q, k, v = _qkv(b, h, t, d, gen)
+    phi = _field(kind, b, h, t, gen)
+    assert phi is not None
+    lc = LayerCache(kind, EvictionPolicy(enabled=True, delta=1.0, record=True))
+    lc.attend(q[:, :, :16], k[:, :, :16], v[:, :, :16], phi[..., :16])
+    moves, compactions = 0, 0
+    for i in range(16, t):
+        ptr, cap = lc._buffers["k"].data_ptr(), lc.capacity
+        sl = slice(i, i + 1)
+        gone = torch.zeros(b, h, i, dtype=torch.bool)  # keys evicted before query i
+        for ev in lc.log:
+            gone[ev.batch, ev.head, ev.pos] = True
+        out = lc.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], phi[..., sl])
+        bias = fpa_bias_naive(phi[..., : i + 1], kind)[..., i : i + 1, :]
+        logits = (q[:, :, sl] @ k[:, :, : i + 1].transpose(-1, -2)) / math.sqrt(d) + bias
+        logits[..., :i] = logits[..., :i].masked_fill(gone[..., None, :], float("-inf"))
+        torch.testing.assert_close(out, torch.softmax(logits, -1) @ v[:, :, : i + 1], atol=1e-5, rtol=1e-5)
+        moves += lc._buffers["k"].data_ptr() != ptr
+        most = int(lc.valid.sum(-1).max())
+        if lc.capacity < cap + 1:  # shrank, or did not grow: compacted this step
+            compactions += 1
+            assert lc.capacity == most
+        else:
+            assert lc.capacity == cap + 1 and most > COMPACT_AT * cap  # appended in place of a copy
+    assert lc.fraction_kept() < 0.5 and compactions >= 2, (lc.fraction_kept(), compactions)
+    assert moves <= compactions + math.ceil(math.log2(t)), (moves, compactions)  # not one per token
