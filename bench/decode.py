@@ -90,6 +90,8 @@ def decode(model, prompt: torch.Tensor, new: int, policy: EvictionPolicy) -> dic
         "kept_prompt": kept_prompt,
         "kept_end": cache.fraction_kept()["overall"],
         "slots_end": cache.capacity(),
+        # per layer, per head (batch row 0): the share of the tokens seen that is still cached
+        "kept_per_head": [[round(float(n) / lc.seen, 3) for n in lc.valid[0].sum(-1)] for lc in cache.layers],
     }
 
 
@@ -125,6 +127,14 @@ def result_markdown(r: dict, args: argparse.Namespace, prov: dict) -> str:
         f"(paired per run: median {r['paired_speed']:.2f}x), "
         f"{ev['cache_ms_per_token'] / full['cache_ms_per_token']:.2f}x the time in the caches per "
         f"token; greedy tokens agreeing: {r['agree']} of {args.new}.",
+        "",
+        "Kept per head at the end (layer by layer): "
+        + "; ".join(
+            f"L{i}: " + ", ".join(f"{100 * x:.0f}%" for x in heads)
+            for i, heads in enumerate(ev["kept_per_head"])
+        )
+        + ". The slots of a layer are its fullest head's (heads are padded to it), and a decode step "
+        "costs the slots.",
         "",
         f"Regenerate: `{prov['command']}`",
         "",
@@ -175,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             "kept_prompt": rs[0]["kept_prompt"],
             "kept_end": rs[0]["kept_end"],
             "slots_end": rs[0]["slots_end"],
+            "kept_per_head": rs[0]["kept_per_head"],
         }
         m = medians[name]
         print(

@@ -63,7 +63,7 @@ from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
 COMPACT_AT = 0.75  # compact once the most keys kept in a row are at most this share of the slots
-_SLOTS = ("k", "v", "kn", "phi", "r", "pos", "valid", "seg")  # per-slot tensors, slot dim 2
+_SLOTS = ("k", "v", "kn", "budget", "phi", "r", "pos", "valid", "seg")  # per-slot tensors, slot dim 2
 
 # An upper bound on sum_{n>=2} 1 / (n ln^2 n): the n = 2 term plus the integral of 1 / (x ln^2 x) from 2.
 _TAIL_SUM_BOUND = 1.0 / (2.0 * math.log(2.0) ** 2) + 1.0 / math.log(2.0)
@@ -101,6 +101,14 @@ class EvictionPolicy:
     # over a convergent tail beyond it. None: the tail alone. Sound at every length either way.
     max_tokens: int | None = None
     record: bool = False  # keep a log of evictions (tests and analysis)
+    # Decode tokens between eviction rounds (a prefill chunk of several tokens always ends with one).
+    # Evicting later is always sound, each round judging with the bounds of its time; the kept fraction
+    # lags by at most this many tokens, and a round's fixed cost is paid once per `every` tokens.
+    every: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"EvictionPolicy.every must be an integer >= 1; got {self.every!r}")
 
 
 @dataclass
@@ -144,6 +152,7 @@ class LayerCache:
         self.phi: Tensor | None = None  # (B,H,C) fp32, field value at each cached key
         self.r: Tensor | None = None  # (B,H,C) fp32, running min of phi from the key to now
         self.kn: Tensor | None = None  # (B,H,C) fp32 norm of each cached key (the eviction threshold's)
+        self.budget: Tensor | None = None  # (B,H,C) fp32 -log c(p) of each cached key (sound bound only)
         self.pos: Tensor | None = None  # (B,H,C) int64 absolute positions
         self.valid: Tensor | None = None  # (B,H,C) bool; False marks padding after compaction
         self.phi_last: Tensor | None = None  # (B,H) field at the newest token (walk/gate accumulate it)
@@ -188,7 +197,8 @@ class LayerCache:
         k = torch.full_like(self.k_max, self.k_bound) if self.k_bound is not None else s * self.k_max
         assert self.kn is not None  # cached keys are known: their own norm, no slack
         norms = scale * q[..., None] * (self.kn + k[..., None])
-        return norms + p.margin + key_budget_log(self.pos, p.max_tokens)
+        assert self.budget is not None
+        return norms + p.margin + self.budget
 
     # ------------------------------------------------------------------------------------------------
 
@@ -252,7 +262,11 @@ class LayerCache:
             done = self.valid & (self.seg < segment_ids[:, -1, None, None])
             if bool(done.any()):
                 self._drop(done)
-        if self.policy.enabled and self.spec.has_field:
+        if (
+            self.policy.enabled
+            and self.spec.has_field
+            and (k.shape[2] > 1 or self.seen % self.policy.every == 0)
+        ):
             self._evict()
 
     def _extend(self, name: str, new: Tensor) -> None:
@@ -296,7 +310,10 @@ class LayerCache:
         self._extend("k", k)
         self._extend("v", v)
         self._extend("kn", k_norms)
-        self._extend("pos", torch.arange(self.seen, self.seen + t, device=k.device).expand(b, h, t))
+        pos = torch.arange(self.seen, self.seen + t, device=k.device).expand(b, h, t)
+        self._extend("pos", pos)
+        if self.policy.enabled and self.policy.delta is None and phi is not None:
+            self._extend("budget", key_budget_log(pos, self.policy.max_tokens))  # once per key
         self._extend("valid", torch.ones(b, h, t, dtype=torch.bool, device=k.device))
         self.seen += t
 
@@ -337,8 +354,14 @@ class LayerCache:
         idx_d = order[..., None].expand(*order.shape, self.k.shape[-1])
         for name in _SLOTS:
             cur = getattr(self, name)
-            if cur is not None:
-                setattr(self, name, torch.gather(cur, 2, idx_d if cur.dim() == 4 else order))
+            if cur is None:
+                continue
+            kept = torch.gather(cur, 2, idx_d if cur.dim() == 4 else order)
+            # Into a buffer with room for as many again, so the next appends do not move it at once.
+            buf = kept.new_empty((*kept.shape[:2], max(2 * new_cap, 16), *kept.shape[3:]))
+            buf[:, :, :new_cap] = kept
+            self._buffers[name] = buf
+            setattr(self, name, buf[:, :, :new_cap])
 
     def kept_positions(self, batch: int = 0, head: int = 0) -> list[int]:
         """Absolute positions of the keys still cached for one (batch, head)."""

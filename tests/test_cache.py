@@ -94,7 +94,7 @@ def test_eviction_never_drops_a_key_above_threshold(kind: str) -> None:
     q, k, v = _qkv(b, h, t, d, gen)
     phi = _field(kind, b, h, t, gen)
     assert phi is not None
-    lc = LayerCache(kind, EvictionPolicy(enabled=True, delta=3.0, record=True))
+    lc = LayerCache(kind, EvictionPolicy(enabled=True, delta=3.0, record=True, every=1))
     for i in range(t):
         sl = slice(i, i + 1)
         lc.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], phi[..., sl])
@@ -109,6 +109,18 @@ def test_eviction_never_drops_a_key_above_threshold(kind: str) -> None:
     n_ev = sum(len(ev.pos) for ev in lc.log)
     assert n_ev > 0
     assert n_ev + lc.kept() == h * t
+
+    # Rounds every 16 decode tokens (the default): evictions only then, and the same keys by the end of
+    # a round as a cache that evicts at every token (the rounds judge with the same fixed delta).
+    every16 = LayerCache(kind, EvictionPolicy(enabled=True, delta=3.0, record=True))
+    for i in range(t):
+        sl = slice(i, i + 1)
+        every16.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], phi[..., sl])
+    assert {ev.seen % 16 for ev in every16.log} == {0} and every16.log
+    if t % 16 == 0:
+        assert all(every16.kept_positions(0, hh) == lc.kept_positions(0, hh) for hh in range(h))
+    with pytest.raises(ValueError, match="every must be an integer >= 1; got 0"):
+        EvictionPolicy(every=0)
 
 
 def test_fpa_keeps_old_valley_key_that_fox_would_drop() -> None:
@@ -461,4 +473,6 @@ def test_decoding_appends_in_place_and_compacts_lazily(kind: str) -> None:
         else:
             assert lc.capacity == cap + 1 and most > COMPACT_AT * cap  # appended in place of a copy
     assert lc.fraction_kept() < 0.5 and compactions >= 2, (lc.fraction_kept(), compactions)
-    assert moves <= compactions + math.ceil(math.log2(t)), (moves, compactions)  # not one per token
+    # Not one per token: each compaction, and each doubling of the slots after it.
+    assert moves <= 2 * compactions + math.ceil(math.log2(t)) and moves < (t - 16) / 4, (moves, compactions)
+    assert {ev.seen % 16 for ev in lc.log} == {0}  # eviction rounds every 16 decode tokens
