@@ -46,7 +46,7 @@ demo: $(STAMP)
 # fails, and the target fails if either did.
 test: $(STAMP_TEST) $(STAMP36)
 	rc=0; \
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 || rc=1; \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 || rc=1; \
 	$(TRITON36_TESTS); \
 	exit $$rc
 

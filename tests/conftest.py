@@ -15,3 +15,27 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # Runs started by tests (in this process or its children) log to W&B without console capture, system-stats
 # thread or git probing (pipeline.logging.QUIET_WANDB_ENV), which keeps them fast and their output clean.
 os.environ.setdefault("FPA_QUIET_WANDB", "1")
+
+# The modules that take longest on one worker (seconds, `pytest --junitxml` on 2 cores), longest first.
+# `make test` hands modules to the xdist workers in collection order (--dist loadfile
+# --no-loadscope-reorder): starting the long ones first keeps the run from ending with one worker on a
+# long module while the other idles. Order only; every module runs either way.
+LONGEST_FIRST = (
+    "test_slurm_multinode.py",
+    "test_slurm.py",
+    "test_sequence_parallel.py",
+    "test_faults_checkpoint.py",
+    "test_train.py",
+    "test_launch.py",
+    "test_train_features.py",
+    "test_data_prepare.py",
+    "test_eval.py",
+    "test_hf.py",
+    "test_compile.py",
+    "test_cache.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
