@@ -21,18 +21,21 @@ os.environ.setdefault("FPA_QUIET_WANDB", "1")
 # --no-loadscope-reorder): starting the long ones first keeps the run from ending with one worker on a
 # long module while the other idles. Order only; every module runs either way.
 LONGEST_FIRST = (
-    "test_slurm_multinode.py",
-    "test_slurm.py",
-    "test_sequence_parallel.py",
-    "test_faults_checkpoint.py",
-    "test_train.py",
-    "test_launch.py",
-    "test_train_features.py",
-    "test_data_prepare.py",
-    "test_eval.py",
-    "test_hf.py",
-    "test_compile.py",
-    "test_cache.py",
+    "test_slurm_multinode.py",  # 334 s
+    "test_train.py",  # 182
+    "test_slurm.py",  # 165
+    "test_fpa_triton.py",  # 156
+    "test_faults_checkpoint.py",  # 146
+    "test_sequence_parallel.py",  # 90
+    "test_train_features.py",  # 81
+    "test_train_extend.py",  # 43
+    "test_stage_inputs.py",  # 39
+    "test_triton_blocks.py",  # 33
+    "test_docs_data.py",  # 32
+    "test_launch.py",  # 27
+    "test_gpu_check.py",  # 25
+    "test_compile.py",  # 24
+    "test_train_passkey.py",  # 22
 )
 
 
