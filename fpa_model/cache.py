@@ -154,7 +154,7 @@ class LayerCache:
         self.kn: Tensor | None = None  # (B,H,C) fp32 norm of each cached key (the eviction threshold's)
         self.budget: Tensor | None = None  # (B,H,C) fp32 -log c(p) of each cached key (sound bound only)
         self.pos: Tensor | None = None  # (B,H,C) int64 absolute positions
-        self.valid: Tensor | None = None  # (B,H,C) bool; False marks padding after compaction
+        self.valid: Tensor | None = None  # (B,H,C) bool; False: padding, or evicted and not yet compacted
         self.phi_last: Tensor | None = None  # (B,H) field at the newest token (walk/gate accumulate it)
         # kv_shift: the raw (k, v) (B,H,Dh) of the newest token, before the shift (set by the model decoder).
         self.kv_prev: tuple[Tensor, Tensor] | None = None
