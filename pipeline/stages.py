@@ -308,26 +308,39 @@ def _archive_stale_training(run: RunDir, inputs: dict[str, Any]) -> None:
 def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
     manifest and exports the final weights."""
-    from pipeline.distributed import barrier, broadcast_object, describe_layout, init_distributed, rank_layout
-    from pipeline.export import export
-    from pipeline.train import exclusive_run_dir, train
+    from pipeline.distributed import destroy, init_distributed
 
     if not (cfg.data_dir / "index.json").is_file():
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
     check_data(cfg)  # the data prepare recorded, under this config's content keys (pipeline.upstream)
     info = init_distributed(cfg.parallel.backend)
+    try:
+        return _train_stage(cfg, info.rank, info.world_size, force)
+    finally:
+        # Every way out (done, skipped, preempted, refused) ends the process group before the interpreter
+        # does: a gloo group still alive at exit can abort the process ("terminate called without an
+        # active exception", SIGABRT) after training finished, and the job would be marked failed.
+        # Local, not a collective: it cannot wait on a peer that is gone.
+        destroy()
+
+
+def _train_stage(cfg: RunConfig, rank: int, world_size: int, force: bool) -> dict[str, Any]:
+    from pipeline.distributed import barrier, broadcast_object, describe_layout, rank_layout
+    from pipeline.export import export
+    from pipeline.train import exclusive_run_dir, train
+
     layout = rank_layout()  # collective: every rank, before rank 0 alone takes the manifest
-    if info.rank == 0:
+    if rank == 0:
         print(f"[train] {describe_layout(layout)}", flush=True)
     # The run dir's lock before anything is written: a second trainer must not rewrite the manifest or
     # config, nor archive the running trainer's checkpoints (train() takes the same lock, re-entrantly).
-    with exclusive_run_dir(cfg.run_dir, info.rank == 0):
+    with exclusive_run_dir(cfg.run_dir, rank == 0):
         run = RunDir(cfg)
-        inputs = train_inputs(cfg, info.world_size)
+        inputs = train_inputs(cfg, world_size)
         if _skip(run, "train", inputs, force):
             return run.read_manifest("train").result  # type: ignore[union-attr]
         refused = None
-        if info.rank == 0 and cfg.train.checkpoint.resume == "auto":
+        if rank == 0 and cfg.train.checkpoint.resume == "auto":
             try:
                 _archive_stale_training(run, inputs)
             except ConfigError as e:  # every rank stops with it, none waits at the barrier
@@ -336,7 +349,7 @@ def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
         if refused:
             raise ConfigError(refused)
         barrier()
-        if info.rank != 0:
+        if rank != 0:
             return train(cfg)
         with run.stage("train", inputs) as m:
             m.result = train(cfg)

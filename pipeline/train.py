@@ -296,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = train(cfg)
-    if dist_utils.rank() == 0:
-        print("[train] summary " + json.dumps(summary), flush=True)
-    dist_utils.barrier()
-    dist_utils.destroy()
+    try:
+        summary = train(cfg)
+        if dist_utils.rank() == 0:
+            print("[train] summary " + json.dumps(summary), flush=True)
+    finally:
+        dist_utils.destroy()  # on every way out: see pipeline.stages.run_train
     return 0
 
 

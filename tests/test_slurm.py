@@ -174,8 +174,19 @@ def start_now(job_id: str) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
+def nodes_idle() -> bool:
+    """Every node of the cluster idle: nothing allocated and nothing completing."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return bool(out) and all(state == "idle" for state in out)
+
+
 def release_requeued(job_id: str, restarts: int, timeout: float, logs: list[Path] = ()) -> None:
+    """Start a requeued job at once, but only after its first attempt has left the node: the job can
+    read PENDING while slurmd is still ending that attempt, and restarting the same job id then races the
+    cleanup, which can SIGTERM the new attempt's step (Slurm 22.05, seen under load). Slurm's own
+    ~2 min hold on a requeued job is what avoids that race outside tests."""
     wait_until(f"job {job_id} to be requeued", lambda: requeued(job_id, restarts), timeout, logs)
+    wait_until(f"job {job_id}'s first attempt to leave the node", nodes_idle, timeout, logs)
     start_now(job_id)
 
 

@@ -390,3 +390,67 @@ def test_profile_config_errors_and_a_window_cut_short(tmp_path):
         "train step 3",
     ]
     assert not (tmp_path / "off").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The process group ends with the training stage, whichever way it ends
+
+STAGE_EXIT_SCRIPT = r"""
+import json, sys
+import torch.distributed as dist
+from pathlib import Path
+import pipeline.stages as stages
+from pipeline.config import ConfigError, load_config
+from pipeline.trainer.preemption import Preempted
+
+data = Path(sys.argv[1])
+cfg = load_config([], [f"data.out_dir={data}", f"runs_dir={data.parent}"])
+stages.check_data = lambda cfg: None  # no real shards: the stage body below is replaced
+seen = {}
+def finished(cfg, rank, world, force):
+    seen["inside"] = dist.is_initialized() and dist.get_world_size()
+    return {"steps": 1}
+def preempted(cfg, rank, world, force):
+    raise Preempted(3, None)
+def refused(cfg, rank, world, force):
+    raise ConfigError("refused")
+for name, body in (("finished", finished), ("preempted", preempted), ("refused", refused)):
+    stages._train_stage = body
+    try:
+        stages.run_train(cfg)
+    except (Preempted, ConfigError):
+        pass
+    seen[name] = dist.is_initialized()
+print("RESULT " + json.dumps(seen), flush=True)
+"""
+
+
+def test_run_train_ends_the_process_group_on_every_way_out(tmp_path):
+    """A gloo group still alive when the interpreter exits can abort a finished rank (SIGABRT: "terminate
+    called without an active exception") and fail the job: run_train must end it when it returns, is
+    preempted or refuses. Two real ranks, so the group is a real gloo group."""
+    import socket
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "index.json").write_text("{}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STAGE_EXIT_SCRIPT, str(data)],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, out + err
+        result = json.loads(out.split("RESULT ", 1)[1])
+        assert result == {"inside": 2, "finished": False, "preempted": False, "refused": False}, result
