@@ -379,3 +379,56 @@ def test_hf_document_mask_generate_and_errors(exported_docs: dict, exported: dic
             plain_model(input_ids=x, position_ids=torch.arange(20)[None]).logits,
             plain_model(input_ids=x).logits, rtol=0, atol=0,
         )  # fmt: skip
+
+
+def test_hf_export_with_tile_skipping_skips_as_the_project_and_stays_within_epsilon(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """model.attention.skip_epsilon travels into the HF export: the loaded model skips exactly the tiles
+    the project's model skips (the same count, the same logits), most of them on these fast-falling
+    fields, and its logits stay near the unskipped model's (skipping changes them, a little). Generation
+    goes through the KV cache, which has no tiles, so it matches the project's decoder as before."""
+    import dataclasses
+
+    from fpa_model.cache import EvictionPolicy, generate
+    from fpa_model.model import GPT
+    from fpa_model.ops.fpa.skipping import skip_counts
+    from launch.cli import main
+    from pipeline.config import to_yaml
+    from pipeline.export import load_exported
+
+    eps = 1e-3
+    over = [f"model.attention.skip_epsilon={eps}", "model.attention.block_size=16"]
+    cfg = run_cfg(tmp_path, data_dir, "hf-skip", "fpa", over)
+    plain = export_random_model(cfg, seed=5)
+    yaml = tmp_path / "skip.yaml"
+    yaml.write_text(to_yaml(cfg))
+    assert main(["export", str(yaml), "--format", "hf", "--checkpoint", str(plain)]) == 0
+    model, _ = _load(cfg.run_dir / "export-hf")
+    assert model.config.fpa_model["attention"]["skip_epsilon"] == eps
+    ref = load_exported(plain)
+    off_cfg = dataclasses.replace(
+        cfg.model, attention=dataclasses.replace(cfg.model.attention, skip_epsilon=None)
+    )
+    unskipped = GPT(off_cfg).eval()
+    unskipped.load_state_dict(ref.state_dict())
+
+    x = torch.randint(1, cfg.model.vocab_size, (2, 192), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        with skip_counts() as hf_counts:
+            got = model(x).logits
+        with skip_counts() as ref_counts:
+            want = ref(x)
+        with skip_counts() as off_counts:
+            full = unskipped(x)
+    assert (hf_counts.kept, hf_counts.skipped) == (ref_counts.kept, ref_counts.skipped)
+    assert hf_counts.fraction_skipped > 0.5, (hf_counts.kept, hf_counts.skipped)
+    assert off_counts.total == 0  # skipping off: the plain op, nothing counted
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    diff = float((got - full).abs().max())
+    assert 0 < diff < eps, diff  # 2.6e-5 here: skipping changed the logits, within the guarantee's scale
+
+    prompt = x[:1, :40]
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    want_tokens, _ = generate(ref, prompt, 8, policy=EvictionPolicy(enabled=False))
+    assert out[:, prompt.shape[1] :].tolist() == want_tokens.tolist()
