@@ -12,12 +12,14 @@ NCCL on CUDA, gloo on CPU. On CPU, DeepSpeed would JIT-compile its shared-memory
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
 import socket
 import subprocess
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -219,6 +221,26 @@ def all_reduce_max(value: float) -> float:
 def destroy() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group_ends() -> Iterator[None]:
+    """Ends the process group when the block ends, before the interpreter does: a gloo group still alive
+    at exit can abort a rank that finished ("terminate called without an active exception", SIGABRT), and
+    the job is then marked failed. A clean end (no exception, or SystemExit: a deliberate exit such as a
+    preemption, which every rank reaches together) always ends it. After an error the group ends only
+    where that is local (gloo): NCCL's destroy flushes pending collectives and would wait on a peer that
+    is gone or stuck, instead of letting this rank exit and its launcher stop the others."""
+    try:
+        yield
+    except SystemExit:
+        destroy()
+        raise
+    except BaseException:
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() != "nccl":
+            destroy()
+        raise
+    destroy()
 
 
 def rank() -> int:

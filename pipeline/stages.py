@@ -308,20 +308,14 @@ def _archive_stale_training(run: RunDir, inputs: dict[str, Any]) -> None:
 def run_train(cfg: RunConfig, *, force: bool = False) -> dict[str, Any]:
     """Runs on every rank (under torchrun, srun, the deepspeed launcher, or alone). Rank 0 keeps the
     manifest and exports the final weights."""
-    from pipeline.distributed import destroy, init_distributed
+    from pipeline.distributed import init_distributed, process_group_ends
 
     if not (cfg.data_dir / "index.json").is_file():
         raise ConfigError(f"no prepared data at {cfg.data_dir} (index.json missing): run `fpa prepare` first")
     check_data(cfg)  # the data prepare recorded, under this config's content keys (pipeline.upstream)
     info = init_distributed(cfg.parallel.backend)
-    try:
+    with process_group_ends():  # done, skipped, preempted or refused: see there
         return _train_stage(cfg, info.rank, info.world_size, force)
-    finally:
-        # Every way out (done, skipped, preempted, refused) ends the process group before the interpreter
-        # does: a gloo group still alive at exit can abort the process ("terminate called without an
-        # active exception", SIGABRT) after training finished, and the job would be marked failed.
-        # Local, not a collective: it cannot wait on a peer that is gone.
-        destroy()
 
 
 def _train_stage(cfg: RunConfig, rank: int, world_size: int, force: bool) -> dict[str, Any]:

@@ -296,12 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
+    with dist_utils.process_group_ends():
         summary = train(cfg)
         if dist_utils.rank() == 0:
             print("[train] summary " + json.dumps(summary), flush=True)
-    finally:
-        dist_utils.destroy()  # on every way out: see pipeline.stages.run_train
     return 0
 
 

@@ -396,7 +396,7 @@ def test_profile_config_errors_and_a_window_cut_short(tmp_path):
 # The process group ends with the training stage, whichever way it ends
 
 STAGE_EXIT_SCRIPT = r"""
-import json, sys
+import json, os, sys
 import torch.distributed as dist
 from pathlib import Path
 import pipeline.stages as stages
@@ -414,7 +414,10 @@ def preempted(cfg, rank, world, force):
     raise Preempted(3, None)
 def refused(cfg, rank, world, force):
     raise ConfigError("refused")
-for name, body in (("finished", finished), ("preempted", preempted), ("refused", refused)):
+ports = sys.argv[2].split(",")
+rounds = (("finished", finished), ("preempted", preempted), ("refused", refused))
+for port, (name, body) in zip(ports, rounds):
+    os.environ["MASTER_PORT"] = port  # a fresh rendezvous per round: a process trains once, not three times
     stages._train_stage = body
     try:
         stages.run_train(cfg)
@@ -434,14 +437,17 @@ def test_run_train_ends_the_process_group_on_every_way_out(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "index.json").write_text("{}")
-    with socket.socket() as sock:
+    socks = [socket.socket() for _ in range(3)]
+    for sock in socks:  # three distinct free ports, all held until chosen
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    ports = ",".join(str(sock.getsockname()[1]) for sock in socks)
+    for sock in socks:
+        sock.close()
     base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    base["MASTER_ADDR"] = "127.0.0.1"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", STAGE_EXIT_SCRIPT, str(data)],
+            [sys.executable, "-c", STAGE_EXIT_SCRIPT, str(data), ports],
             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -450,7 +456,33 @@ def test_run_train_ends_the_process_group_on_every_way_out(tmp_path):
         for r in range(2)
     ]
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            raise AssertionError(f"a rank hung:\n{out[-2000:]}\n{err[-3000:]}") from None
         assert p.returncode == 0, out + err
         result = json.loads(out.split("RESULT ", 1)[1])
         assert result == {"inside": 2, "finished": False, "preempted": False, "refused": False}, result
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_process_group_ends_after_an_error_only_where_that_is_local(monkeypatch, backend):
+    """A clean end (none, SystemExit) always ends the group; after an error, gloo's (local) does, NCCL's
+    does not: its destroy flushes collectives and would wait on a peer that is gone."""
+    import torch.distributed as dist
+
+    ended = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: ended.append(group))
+    with du.process_group_ends():
+        pass
+    with pytest.raises(SystemExit), du.process_group_ends():
+        raise SystemExit(3)
+    assert len(ended) == 2
+    with pytest.raises(RuntimeError), du.process_group_ends():
+        raise RuntimeError("a rank failed")
+    assert len(ended) == (3 if backend == "gloo" else 2)
