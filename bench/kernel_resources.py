@@ -8,8 +8,9 @@ without a GPU (Triton's bundled ptxas, then cuobjdump -res-usage on the cubin).
     python bench/kernel_resources.py --md docs/kernel_resources.md --from docs/results/kernel_resources/*.json
 
 Compiled with bf16 inputs and kind fpa (the heaviest: the near-tile levels); the ring's cross kernels write
-fp32 outputs as the ring does. The causal kernels (fwd, dq, dkv) compile twice: without and with segment ids
-(SEGMENTED, the document mask; the tile counter COUNT stays off), one row each (`segmented`).
+fp32 outputs as the ring does. The causal kernels (fwd, dq, dkv) compile three times: plain, with segment ids
+(SEGMENTED, the document mask) and with tile skipping (SKIPPING, the keep map), one row each (`segmented`,
+`skipping`; the tile counter COUNT stays off). --quick compiles them plain and with both switches on.
 A config with spill bytes > 0 should leave GPU_TILES.
 """
 
@@ -39,8 +40,12 @@ from fpa_model.ops.fpa import triton_kernel as tk
 ARCHS = {"sm_90": 90, "sm_80": 80}
 LOWP_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 CROSS_FP32_OUT = {"O", "DQ", "DK", "DV"}
-INT_ARGS = {"H", "T", "D", "NLEV", "T_BUCKET", "LQ", "LK", "LQ_BUCKET", "LK_BUCKET"}
+INT_ARGS = {"H", "T", "D", "NLEV", "T_BUCKET", "NC", "LQ", "LK", "LQ_BUCKET", "LK_BUCKET"}
 INT_PTRS = {"SEG", "DOC_START", "DOC_END", "CNT"}  # the document tables and the tile counter
+U8_PTRS = {"KEEP"}  # the tile-skipping map
+# (segmented, skipping) per causal kernel entry: the full sweep, and --quick (plain, and both switches on).
+VARIANTS = ((False, False), (True, False), (False, True))
+QUICK_VARIANTS = ((False, False), (True, True))
 
 
 def _signature(kernel, name: str, consts: dict) -> dict:
@@ -55,6 +60,8 @@ def _signature(kernel, name: str, consts: dict) -> dict:
             sig[arg] = "fp32"
         elif arg in INT_PTRS:
             sig[arg] = "*i32"
+        elif arg in U8_PTRS:
+            sig[arg] = "*u8"
         elif arg in INT_ARGS or arg.startswith("stride"):
             sig[arg] = "i32"
         else:
@@ -103,17 +110,25 @@ def _compile(fn, name: str, consts: dict, arch: str, num_warps: int, num_stages:
 
 
 def compile_one(
-    name: str, tile: tk.Tile, arch: str, head_dim: int, workdir: Path, segmented: bool = False
+    name: str,
+    tile: tk.Tile,
+    arch: str,
+    head_dim: int,
+    workdir: Path,
+    segmented: bool = False,
+    skipping: bool = False,
 ) -> dict:
-    """One autotune entry of an attention kernel (bf16, kind fpa; segmented: with the document switch)."""
+    """One autotune entry of an attention kernel (bf16, kind fpa; segmented: with the document switch,
+    skipping: with the tile-skipping switch)."""
     raw = tk._KERNELS[name][0]
     consts = {"KIND": 0, "HEAD_DIM": head_dim, "LOWP": True, "DOT_PREC": "tf32", **tk._meta(tile, raw)}
     if has_segments(name):  # the causal kernels: the tile counter stays off (its default)
-        consts.update(SEGMENTED=segmented, COUNT=False)
-    elif segmented:
-        raise ValueError(f"kernel {name!r} takes no segment ids")
+        consts.update(SEGMENTED=segmented, COUNT=False, SKIPPING=skipping, CELL_LG=tk._CELL_LG)
+    elif segmented or skipping:
+        raise ValueError(f"kernel {name!r} takes no segment ids and skips no tiles")
     row = _compile(raw, name, consts, arch, tile.num_warps, tile.num_stages, workdir)
-    return {**row, "head_dim": head_dim, "tile": f"{tile.block_m}x{tile.block_n}", "segmented": segmented}
+    tile_s = f"{tile.block_m}x{tile.block_n}"
+    return {**row, "head_dim": head_dim, "tile": tile_s, "segmented": segmented, "skipping": skipping}
 
 
 def has_segments(name: str) -> bool:
@@ -127,7 +142,7 @@ SCANS = {"levels": tk._levels_kernel, "route": tk._route_kernel}
 
 def compile_scan(name: str, arch: str, workdir: Path) -> dict:
     row = _compile(SCANS[name], name, {"BLOCK": tk.SCAN_BLOCK}, arch, 4, 3, workdir)
-    return {**row, "head_dim": "-", "tile": str(tk.SCAN_BLOCK), "segmented": False}
+    return {**row, "head_dim": "-", "tile": str(tk.SCAN_BLOCK), "segmented": False, "skipping": False}
 
 
 # Not pipeline.provenance.cpu_model: this script also runs in the Triton-3.6 test venv, which has only
@@ -149,8 +164,9 @@ def write_md(path: Path, runs: list[dict]) -> None:
         "",
         "Compiled with Triton's bundled ptxas (no GPU) by `bench/kernel_resources.py`: bf16 inputs, "
         "kind fpa, every entry of `GPU_TILES_BY_DIM` at the head dim whose list holds it "
-        "(64: D <= 64, 128: D <= 128); the causal kernels (fwd, dq, dkv) with and without segment ids "
-        "(column seg: the document mask, `SEGMENTED`). "
+        "(64: D <= 64, 128: D <= 128); the causal kernels (fwd, dq, dkv) plain, with segment ids "
+        "(column seg: the document mask, `SEGMENTED`) and with tile skipping (column skip: the keep map, "
+        "`SKIPPING`; runs compiled before it existed have no such rows). "
         "Registers per thread (the limit is 255), spill = local-memory stack bytes per thread, shared = "
         "dynamic shared memory per program.",
         "",
@@ -160,22 +176,26 @@ def write_md(path: Path, runs: list[dict]) -> None:
         n_spill = sum(r["spill_bytes"] > 0 for r in run["rows"])
         n_seg = sum(bool(r.get("segmented")) for r in run["rows"])
         seg_spill = sum(r["spill_bytes"] > 0 for r in run["rows"] if r.get("segmented"))
+        n_skip = sum(bool(r.get("skipping")) for r in run["rows"])
+        skip_spill = sum(r["spill_bytes"] > 0 for r in run["rows"] if r.get("skipping"))
         lines.append(
             f"- Triton {m['triton']}: `{m['command']}` at commit `{m['commit'][:10]}` on "
             f"{m['machine']['cpu']} (Python {m['machine']['python']}): {len(run['rows'])} configs "
-            f"({n_seg} with segment ids), {n_spill} spill ({seg_spill} with segment ids)"
+            f"({n_seg} with segment ids, {n_skip} with tile skipping), {n_spill} spill "
+            f"({seg_spill} with segment ids, {skip_spill} with tile skipping)"
         )
     lines += [
         "",
-        "| triton | kernel | tile (M x N) | warps | stages | arch | head dim | seg | registers | spill B "
-        "| shared B |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| triton | kernel | tile (M x N) | warps | stages | arch | head dim | seg | skip | registers "
+        "| spill B | shared B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    yes = lambda flag: "yes" if flag else "-"  # noqa: E731
     for run in runs:
         lines += [
             f"| {run['meta']['triton']} | {r['kernel']} | {r['tile']} | {r['num_warps']} | "
-            f"{r['num_stages']} | {r['arch']} | {r['head_dim']} | {'yes' if r.get('segmented') else '-'} | "
-            f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"
+            f"{r['num_stages']} | {r['arch']} | {r['head_dim']} | {yes(r.get('segmented'))} | "
+            f"{yes(r.get('skipping'))} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"
             for r in run["rows"]
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,13 +224,16 @@ def main(argv: list[str] | None = None) -> int:
         for d in head_dims:
             tiles = tk.GPU_TILES_BY_DIM[name][d]
             for tile in tiles[:1] if args.quick else tiles:
-                for segmented in (False, True) if has_segments(name) else (False,):
+                variants = QUICK_VARIANTS if args.quick else VARIANTS
+                variants = variants if has_segments(name) else VARIANTS[:1]
+                for segmented, skipping in variants:
                     for arch in ARCHS:
-                        row = compile_one(name, tile, arch, d, workdir, segmented)
+                        row = compile_one(name, tile, arch, d, workdir, segmented, skipping)
                         rows.append(row)
                         print(
                             f"{name:10s} {row['tile']:>8s} w{tile.num_warps} s{tile.num_stages} {arch} d{d}"
-                            f"{' seg' if segmented else ''}: {row['registers']} regs, "
+                            f"{' seg' if segmented else ''}{' skip' if skipping else ''}: "
+                            f"{row['registers']} regs, "
                             f"spill {row['spill_bytes']} B, smem {row['shared_bytes']} B, "
                             f"{row['compile_s']} s",
                             flush=True,

@@ -52,7 +52,8 @@ class AttentionConfig:
     document_mask: bool = False
     # Tile skipping (fpa_model/ops/fpa/skipping.py): key tiles whose softmax mass is provably below this
     # fraction of every query row of the tile are not computed, forward and backward (fpa, fox; softmax
-    # has no field and computes every tile). Served by the chunked path; null (off) computes every tile.
+    # has no field and computes every tile). Served by the chunked path and the Triton kernels; null
+    # (off) computes every tile.
     skip_epsilon: float | None = None
     rope: bool | None = None  # None: on for softmax only (fpa/fox get position from the field)
     rope_theta: float = 10000.0
@@ -82,11 +83,10 @@ class AttentionConfig:
                 f"got {self.log_scale_length}"
             )
         skip = check_skip_epsilon(self.skip_epsilon, where="model.attention.skip_epsilon")
-        if skip is not None and self.impl in ("naive", "triton"):
+        if skip is not None and self.impl == "naive":
             raise ValueError(
-                f"model.attention.skip_epsilon is served by impl chunked (or auto on CPU); got impl "
-                f"{self.impl!r} (the naive oracle computes every pair; the Triton kernels do not skip "
-                "yet)"
+                "model.attention.skip_epsilon is served by impl chunked, triton or auto; got impl 'naive' "
+                "(the naive oracle computes every pair)"
             )
         if self.qk_norm_scale != 1.0 and not self.qk_norm:
             raise ValueError(

@@ -352,7 +352,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     """The interpreter does not check what the GPU compiler checks (constexpr shapes, layouts, loop-carried
     types, register spills): compile one GPU tile of every kernel for sm_90 and sm_80 with the bundled
     ptxas (bench/kernel_resources.py, which tabulates every config, in its quick mode), the causal kernels
-    with and without segment ids."""
+    plain and with segment ids and tile skipping both on."""
     import json
     import os
     import subprocess
@@ -373,6 +373,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     assert kernels == {*tk.KERNEL_NAMES, "levels", "route"}, kernels
     assert {row["arch"] for row in rows} == {"sm_90", "sm_80"}
     assert {row["kernel"] for row in rows if row["segmented"]} == {"fwd", "dq", "dkv"}
+    assert {row["kernel"] for row in rows if row["skipping"]} == {"fwd", "dq", "dkv"}
     for row in rows:  # --quick compiles the head-dim-64 lists' first entries: none may spill unsegmented
         assert 0 < row["registers"] <= 255, row
         # With segment ids the fwd 128 x 64 tile spills a little on sm_80 (docs/kernel_resources.md).

@@ -248,14 +248,14 @@ def test_a_bad_epsilon_is_a_one_line_error(bad):
         AttentionConfig(skip_epsilon=bad)
 
 
-def test_skipping_asked_of_the_naive_oracle_or_the_triton_kernel_is_refused():
+def test_skipping_asked_of_the_naive_oracle_is_refused():
     q, k, v, _ = _inputs(0, t=32)
     phi = torch.zeros(k.shape[:3], dtype=F64)
-    for impl in ("naive", "triton"):
-        with pytest.raises(ValueError, match=f"skip_epsilon.*chunked.*{impl}"):
-            fpa_attention(q, k, v, phi, impl=impl, skip_epsilon=1e-3)
-        with pytest.raises(ValueError, match="skip_epsilon is served by impl chunked"):
-            AttentionConfig(skip_epsilon=1e-3, impl=impl)
+    with pytest.raises(ValueError, match="skip_epsilon.*chunked.*naive"):
+        fpa_attention(q, k, v, phi, impl="naive", skip_epsilon=1e-3)
+    with pytest.raises(ValueError, match="skip_epsilon is served by impl chunked, triton or auto"):
+        AttentionConfig(skip_epsilon=1e-3, impl="naive")
+    assert AttentionConfig(skip_epsilon=1e-3, impl="triton").skip_epsilon == 1e-3  # the kernels skip too
     # softmax has no field: a documented no-op on every impl
     assert torch.equal(
         fpa_attention(q, k, v, None, kind="softmax", impl="naive", skip_epsilon=1e-3),

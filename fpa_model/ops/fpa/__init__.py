@@ -78,7 +78,8 @@ def fpa_attention(
 
     skip_epsilon: tiles whose softmax mass is provably below skip_epsilon of every row are not computed
     (skipping.py states the bound; fpa and fox; softmax has no field and computes every tile). Served by
-    the chunked path; None (the default) computes every tile.
+    the chunked path (at its block_size) and the Triton kernels (at their SKIP_CELL); None (the default)
+    computes every tile.
 
     segment_ids (B, Tk), non-decreasing integer ids (the document of each position in a packed window):
     a query attends only to keys of its own document. None: the whole window is one sequence.
@@ -90,12 +91,10 @@ def fpa_attention(
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     spec = resolve_kind(kind)  # the one resolution of the kind: every path below reads its flags
     skip_epsilon = check_skip_epsilon(skip_epsilon)
-    chunked_here = impl == "chunked" or (impl == "auto" and not q.is_cuda)
-    if skip_epsilon is not None and spec.has_field and not chunked_here:
+    if skip_epsilon is not None and spec.has_field and impl == "naive":
         raise ValueError(
-            f"skip_epsilon (tile skipping) is served by impl 'chunked' only; got impl {impl!r}"
-            + (" on a CUDA tensor" if impl == "auto" else "")
-            + " (the naive oracle computes every pair; the Triton kernels do not skip yet)"
+            "skip_epsilon (tile skipping) is served by impl 'chunked', 'triton' or 'auto'; got impl 'naive' "
+            "(the naive oracle computes every pair)"
         )
     if torch.compiler.is_compiling() and impl != "naive":
         # Inside torch.compile: the op as one custom-op node (library.py), so the graph does not break
@@ -138,6 +137,8 @@ def fpa_attention(
         phi = q.new_zeros(k.shape[:-1])
     # The kernel module takes the kind's name; segment_ids only when given, so other calls stay as they were.
     extra = {} if segment_ids is None else {"segment_ids": check_segment_ids(segment_ids, k)}
+    if skip_epsilon is not None:
+        extra["skip_epsilon"] = skip_epsilon
     return fn(q, k, v, phi, kind=spec.name, scale=scale, **extra)
 
 

@@ -1063,12 +1063,12 @@ def _add_at(dst: torch.Tensor, idx: torch.Tensor | slice, src: torch.Tensor) -> 
         dst.index_add_(0, idx, src)
 
 
-def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False):
-    """The kept cross tiles as _Steps, diagonal by diagonal; `field` is advanced as the steps are taken,
-    so consume them in order. count: add the kept and skipped tiles to skipping.skip_counts."""
-    bh, dev = plan.bh, x.qs.device
-    lanes = torch.arange(bh, device=dev)
-    step = plan.group * bh  # tiles per batched step: the workspace holds that many
+def _decisions(plan: _Plan, field, bound, segb):
+    """(d, qb, qi, kb, keep, visible) for each block diagonal d = 1, 2, ... in order: query blocks qb (qi into
+    the query blocks), key blocks kb = qb - d, keep (len, BH) the visible tiles the bound cannot rule out
+    and visible (len, BH) the tiles with a pair in one document (None without documents). `field` is
+    advanced to each diagonal as it is reached. Stops at the first diagonal with no visible tile."""
+    dev = bound.qn.device
     first = last = None
     if segb is not None:
         first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
@@ -1086,6 +1086,19 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
             keep = bound.keep(qi, kb)
         if visible is not None:
             keep &= visible
+        yield d, qb, qi, kb, keep, visible
+
+
+def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False):
+    """The kept cross tiles as _Steps, diagonal by diagonal; `field` is advanced as the steps are taken,
+    so consume them in order. count: add the kept and skipped tiles to skipping.skip_counts."""
+    bh, dev = plan.bh, x.qs.device
+    lanes = torch.arange(bh, device=dev)
+    step = plan.group * bh  # tiles per batched step: the workspace holds that many
+    first = last = None
+    if segb is not None:
+        first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
+    for d, qb, qi, kb, keep, visible in _decisions(plan, field, bound, segb):
         if count:
             n_vis = keep.numel() if visible is None else int(visible.sum())
             n_keep = int(keep.sum())
@@ -1237,6 +1250,47 @@ def _backward_skip(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, pla
                 qt_i = torch.arange(qt.start, qt.stop, device=dm.device) if runs else qt
                 dphi_m.view(-1).index_add_(0, (qt_i % bh) * (plan.n_blk * bs) + _f(field.m_arg)[qt], dm)
     return _grads_from_blocks(dq, dk, dv, dphi, dphi_m, q.shape[:2], plan, scale)
+
+
+def tile_keep_map(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    phi: torch.Tensor,
+    kind: AttentionKind,
+    scale: float,
+    block_size: int,
+    skip_epsilon: float,
+    segment_ids: torch.Tensor | None = None,
+    count: bool = False,
+) -> torch.Tensor:
+    """(B*H, n, n) uint8, n = ceil(T / block_size): 0 where this path, at this block size, skips the tile
+    (query block I, key block J), 1 elsewhere (diagonal, kept, invisible to documents, and I < J). The
+    decisions of _forward_skip for a kind with a field and Tq == Tk, as a table for kernels with their
+    own tile loops (the Triton kernels: every tile of theirs lies in one block). count: add the visible
+    cross tiles kept and skipped to skipping.skip_counts."""
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"tile_keep_map needs Tq == Tk; got {q.shape[-2]} and {k.shape[-2]}")
+    b, h = q.shape[:2]
+    plan = _Plan(q.shape[-2], k.shape[-2], block_size, b * h)
+    segb = None if segment_ids is None else _segment_blocks(segment_ids, plan, h)
+    back, bs = plan.back, plan.bs
+    with torch.no_grad():
+        qs = _to_blocks(_f32(q.detach()) * scale, 0, back, bs)
+        kb_ = _to_blocks(_f32(k.detach()), 0, back, bs)
+        phib = _to_blocks(_f32(phi.detach()).unsqueeze(-1), 0, back, bs).squeeze(-1)
+        bound = skipping.TileBound(
+            qs, kb_, phib, range_min=kind.range_min, qb0=0, front=0, back=back, tk=plan.tk, eps=skip_epsilon
+        )  # fmt: skip
+        field = _Field(phib, plan) if kind.range_min else None
+        keep_map = torch.ones(plan.bh, plan.n_blk, plan.n_blk, dtype=torch.uint8, device=q.device)
+        for _d, qb, _qi, kb, keep, visible in _decisions(plan, field, bound, segb):
+            kept = keep if visible is None else keep | ~visible
+            keep_map[:, qb, kb] = kept.t().to(torch.uint8)
+            if count:
+                n_vis = keep.numel() if visible is None else int(visible.sum())
+                n_keep = int(keep.sum())
+                skipping.record(n_keep, n_vis - n_keep)
+    return keep_map
 
 
 def _plan_of(q: torch.Tensor, k: torch.Tensor, block_size: int) -> _Plan:
@@ -1391,4 +1445,5 @@ __all__ = [
     "merge_lse",
     "prefix_min",
     "suffix_min",
+    "tile_keep_map",
 ]

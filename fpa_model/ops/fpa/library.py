@@ -48,7 +48,7 @@ def attention_fwd(
     else:
         from fpa_model.ops.fpa.triton_kernel import triton_forward
 
-        out, lse = triton_forward(q, k, v, phi, kind, scale, segment_ids)
+        out, lse = triton_forward(q, k, v, phi, kind, scale, segment_ids, skip_epsilon)
     return out.contiguous(), lse.contiguous()  # the layouts the fake promises
 
 
@@ -84,7 +84,8 @@ def attention_bwd(
     else:
         from fpa_model.ops.fpa.triton_kernel import triton_backward
 
-        dq, dk, dv, dphi = triton_backward(dout, q, k, v, phi, out, lse, kind, scale, segment_ids)
+        args = (dout, q, k, v, phi, out, lse, kind, scale, segment_ids, skip_epsilon)
+        dq, dk, dv, dphi = triton_backward(*args)
     dphi = q.new_empty(0) if dphi is None else dphi
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dphi.contiguous()
 

@@ -53,10 +53,19 @@ import torch
 import triton
 import triton.language as tl
 
-from fpa_model.ops.fpa.chunked import CrossGrads, DiagGrads, cross_field, resolve_delta, route_cross_sums
+from fpa_model.ops.fpa.chunked import (
+    CrossGrads,
+    DiagGrads,
+    cross_field,
+    resolve_delta,
+    route_cross_sums,
+    tile_keep_map,
+)
 from fpa_model.ops.fpa.interpreter import install_log_step_scan
+from fpa_model.ops.fpa.kinds import resolve_kind
 from fpa_model.ops.fpa.naive import KINDS
 from fpa_model.ops.fpa.segments import check_segment_ids
+from fpa_model.ops.fpa.skipping import check_skip_epsilon
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:  # the interpreter's own scan runs element by element (fpa_model/ops/fpa/interpreter.py)
@@ -64,6 +73,10 @@ if _INTERPRET:  # the interpreter's own scan runs element by element (fpa_model/
 _KIND_ID = {"fpa": 0, "fox": 1, "softmax": 2}
 MAX_HEAD_DIM = 128
 MIN_TILE, MAX_TILE = 16, 128
+# Tile skipping decides per cell of SKIP_CELL x SKIP_CELL positions (the chunked path's decisions at that
+# block size, chunked.tile_keep_map): every kernel tile, and every near region (2^LG), lies in one cell.
+SKIP_CELL = MAX_TILE
+_CELL_LG = SKIP_CELL.bit_length() - 1
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -206,19 +219,20 @@ def _far_logits(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, PHI, PRE, SUF, O, LSE, SEG, DOC_START, CNT,
+    Q, K, V, PHI, PRE, SUF, O, LSE, SEG, DOC_START, CNT, KEEP,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, T, D, NLEV, T_BUCKET, qk_scale,
+    H, T, D, NLEV, T_BUCKET, NC, qk_scale,
     KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
-    SEGMENTED: tl.constexpr, COUNT: tl.constexpr,
+    SEGMENTED: tl.constexpr, COUNT: tl.constexpr, SKIPPING: tl.constexpr, CELL_LG: tl.constexpr,
 ):  # fmt: skip
     """Output and base-2 lse of a query tile. SEGMENTED: SEG (B, T) document ids, DOC_START (B, T) the first
     position of each position's document; key tiles wholly before the first row's document are not
-    visited. COUNT: CNT[0] += the key tiles visited (a debugging aid)."""
+    visited. COUNT: CNT[0] += the key tiles visited (a debugging aid). SKIPPING: KEEP (B*H, NC, NC) uint8,
+    0 for the cells whose tiles are skipped (tile skipping; only far tiles can lie in such a cell)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -270,20 +284,27 @@ def _fwd_kernel(
 
     # Far tiles: whole key tiles below the block, one level each (the levels do not depend on where the
     # loop starts, so skipping the tiles of earlier documents changes no visited tile's bias).
+    if SKIPPING:
+        KEEP += pid_bh * NC * NC + (m0 >> CELL_LG) * NC
     for n0 in range(n_lo, d0, BLOCK_N):
-        offs_n = n0 + ln
-        all_n = offs_n >= 0
-        k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
-        v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
-        lev = _highbit(m0 ^ n0)
-        s, _pre, _suf = _far_logits(
-            q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
-        )
-        if SEGMENTED:
-            s = _doc_mask(s, seg_q, tl.load(SEG + offs_n))
-        if COUNT:
-            tl.atomic_add(CNT, 1)
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, SEGMENTED)
+        if SKIPPING:  # noqa: SIM108 (a constexpr branch: without the switch the load is not compiled)
+            run = tl.load(KEEP + (n0 >> CELL_LG)) != 0
+        else:
+            run = True
+        if run:
+            offs_n = n0 + ln
+            all_n = offs_n >= 0
+            k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
+            v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
+            lev = _highbit(m0 ^ n0)
+            s, _pre, _suf = _far_logits(
+                q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
+            )
+            if SEGMENTED:
+                s = _doc_mask(s, seg_q, tl.load(SEG + offs_n))
+            if COUNT:
+                tl.atomic_add(CNT, 1)
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, SEGMENTED)
 
     O += b * stride_ob + h * stride_oh
     tl.store(
@@ -325,19 +346,20 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DQ, DROW, ROWR, SEG, DOC_START, CNT,
+    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DQ, DROW, ROWR, SEG, DOC_START, CNT, KEEP,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dqb, stride_dqh, stride_dqt,
-    H, T, D, NLEV, T_BUCKET, qk_scale, sm_scale,
+    H, T, D, NLEV, T_BUCKET, NC, qk_scale, sm_scale,
     KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
-    SEGMENTED: tl.constexpr, COUNT: tl.constexpr,
+    SEGMENTED: tl.constexpr, COUNT: tl.constexpr, SKIPPING: tl.constexpr, CELL_LG: tl.constexpr,
 ):  # fmt: skip
     """dq and the row side of the field gradient: fpa ROWR[h, i] (pairs PRE wins), fox DROW_i = sum_{j<i} ds.
-    SEGMENTED / COUNT as in the forward (the same key tiles are skipped; CNT[0] counts the visited ones)."""
+    SEGMENTED / COUNT / SKIPPING as in the forward (the same key tiles are not visited or skipped; CNT[0]
+    counts the visited ones)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -403,31 +425,38 @@ def _bwd_dq_kernel(
     # (starting past the skipped tiles only leaves their levels' sums at zero, as nothing reaches them).
     cur = tl.full((BLOCK_M,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     racc = tl.zeros((BLOCK_M,), tl.float32)
+    if SKIPPING:
+        KEEP += pid_bh * NC * NC + (m0 >> CELL_LG) * NC
     for n0 in range(n_lo, d0, BLOCK_N):
-        offs_n = n0 + ln
-        all_n = offs_n >= 0
-        k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
-        v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
         lev = _highbit(m0 ^ n0)
-        if KIND == 0:
+        if KIND == 0:  # level bookkeeping on every tile, skipped or not
             tl.store(ROWR + tl.maximum(cur, 0) * T + offs_m, racc, mask=m_ok & (cur != lev) & (cur >= 0))
             racc = tl.where(cur != lev, 0.0, racc)
             cur = tl.zeros_like(cur) + lev
-        s, pre, suf = _far_logits(
-            q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
-        )
-        if SEGMENTED:
-            s = _doc_mask(s, seg_q, tl.load(SEG + offs_n))
-        if COUNT:
-            tl.atomic_add(CNT, 1)
-        p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-        if KIND == 0:
-            racc += tl.sum(tl.where(pre[:, None] < suf[None, :], ds, 0.0), 1)
-        elif KIND == 1:
-            drow += tl.sum(ds, 1)
+        if SKIPPING:  # noqa: SIM108 (a constexpr branch: without the switch the load is not compiled)
+            run = tl.load(KEEP + (n0 >> CELL_LG)) != 0
+        else:
+            run = True
+        if run:
+            offs_n = n0 + ln
+            all_n = offs_n >= 0
+            k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
+            v = _load_rows(V, offs_n, stride_vt, offs_d, all_n, d_ok, LOWP)
+            s, pre, suf = _far_logits(
+                q, k, PHI, PRE, SUF, T, phi_q, offs_m, m_ok, offs_n, lev, qk_scale, KIND, DOT_PREC
+            )
+            if SEGMENTED:
+                s = _doc_mask(s, seg_q, tl.load(SEG + offs_n))
+            if COUNT:
+                tl.atomic_add(CNT, 1)
+            p = tl.exp2(s - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            if KIND == 0:
+                racc += tl.sum(tl.where(pre[:, None] < suf[None, :], ds, 0.0), 1)
+            elif KIND == 1:
+                drow += tl.sum(ds, 1)
     if KIND == 0:
         tl.store(ROWR + tl.maximum(cur, 0) * T + offs_m, racc, mask=m_ok & (cur >= 0))
 
@@ -443,22 +472,23 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkv_kernel(
-    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DK, DV, DCOL, COLR, SEG, DOC_END, CNT,
+    Q, K, V, PHI, PRE, SUF, DO, LSE, DELTA, DK, DV, DCOL, COLR, SEG, DOC_END, CNT, KEEP,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    H, T, D, NLEV, T_BUCKET, qk_scale, sm_scale,
+    H, T, D, NLEV, T_BUCKET, NC, qk_scale, sm_scale,
     KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LG: tl.constexpr, LGP: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
-    SEGMENTED: tl.constexpr, COUNT: tl.constexpr,
+    SEGMENTED: tl.constexpr, COUNT: tl.constexpr, SKIPPING: tl.constexpr, CELL_LG: tl.constexpr,
 ):  # fmt: skip
     """dk, dv and the column side of the field gradient, computed as K.Q^T tiles (keys on rows, so P and dS
     feed the dv and dk dots untransposed): DCOL_j = sum_{i > j} ds_ij, fpa COLR[h, j] (pairs SUF wins).
     SEGMENTED: SEG (B, T) document ids, DOC_END (B, T) one past each position's document; query tiles
-    wholly after the last key's document are not visited. COUNT: CNT[0] += the query tiles visited."""
+    wholly after the last key's document are not visited. COUNT: CNT[0] += the query tiles visited.
+    SKIPPING: KEEP as in the forward (the same cells skipped)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -540,37 +570,45 @@ def _bwd_dkv_kernel(
     # changes (stopping before the tiles of later documents leaves their levels' sums at zero).
     cur = tl.full((BLOCK_N,), -1, tl.int32)  # the level being summed (a vector: scalar masks don't broadcast)
     cacc = tl.zeros((BLOCK_N,), tl.float32)
+    if SKIPPING:
+        KEEP += pid_bh * NC * NC + (n0 >> CELL_LG)
     for m0 in tl.range(d0 + (1 << LG), m_hi, BLOCK_M, disable_licm=no_licm):
-        offs_m = m0 + lm
-        m_ok = offs_m < T
-        q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
-        do = _load_rows(DO, offs_m, stride_dot, offs_d, m_ok, d_ok, LOWP)
-        lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
-        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
-        if KIND == 0:
+        if KIND == 0:  # level bookkeeping on every tile, skipped or not
             lev = _highbit(m0 ^ n0)
             tl.store(COLR + tl.maximum(cur, 0) * T + offs_n, cacc, mask=n_ok & (cur != lev) & (cur >= 0))
             cacc = tl.where(cur != lev, 0.0, cacc)
             cur = tl.zeros_like(cur) + lev
-            pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
-            suf = tl.load(SUF + lev * T + offs_n, mask=n_ok, other=0.0)
-            st += (tl.minimum(suf[:, None], pre[None, :]) - phi_k[:, None]) * _LOG2E
-        elif KIND == 1:
-            phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
-            st += (phi_q[None, :] - phi_k[:, None]) * _LOG2E
-        if SEGMENTED:
-            st = _doc_mask(st, seg_k, tl.load(SEG + offs_m, mask=m_ok, other=-1))
-        if COUNT:
-            tl.atomic_add(CNT, 1)
-        pt = tl.exp2(st - lse[None, :])
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
-        dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
-        if KIND != 2:
-            col += tl.sum(dst, 1)
-        if KIND == 0:
-            cacc += tl.sum(tl.where(suf[:, None] <= pre[None, :], dst, 0.0), 1)
+        if SKIPPING:  # noqa: SIM108 (a constexpr branch: without the switch the load is not compiled)
+            run = tl.load(KEEP + (m0 >> CELL_LG) * NC) != 0
+        else:
+            run = True
+        if run:
+            offs_m = m0 + lm
+            m_ok = offs_m < T
+            q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
+            do = _load_rows(DO, offs_m, stride_dot, offs_d, m_ok, d_ok, LOWP)
+            lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+            if KIND == 0:
+                pre = tl.load(PRE + lev * T + offs_m, mask=m_ok, other=0.0)
+                suf = tl.load(SUF + lev * T + offs_n, mask=n_ok, other=0.0)
+                st += (tl.minimum(suf[:, None], pre[None, :]) - phi_k[:, None]) * _LOG2E
+            elif KIND == 1:
+                phi_q = tl.load(PHI + offs_m, mask=m_ok, other=0.0)
+                st += (phi_q[None, :] - phi_k[:, None]) * _LOG2E
+            if SEGMENTED:
+                st = _doc_mask(st, seg_k, tl.load(SEG + offs_m, mask=m_ok, other=-1))
+            if COUNT:
+                tl.atomic_add(CNT, 1)
+            pt = tl.exp2(st - lse[None, :])
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+            dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PREC) - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+            if KIND != 2:
+                col += tl.sum(dst, 1)
+            if KIND == 0:
+                cacc += tl.sum(tl.where(suf[:, None] <= pre[None, :], dst, 0.0), 1)
     if KIND == 0:
         tl.store(COLR + tl.maximum(cur, 0) * T + offs_n, cacc, mask=n_ok & (cur >= 0))
 
@@ -998,7 +1036,7 @@ def _tile_of(config: triton.Config) -> dict:
 
 # Lengths enter the key as powers of 2, so an eval sweep over lengths tunes once per octave. No kernel
 # accumulates into its outputs, so the tuner's repeated launches need no reset.
-_KEY = ["T_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC", "SEGMENTED"]
+_KEY = ["T_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC", "SEGMENTED", "SKIPPING"]
 _CROSS_KEY = ["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "KIND", "LOWP", "DOT_PREC"]
 # name -> (raw kernel, autotuned kernel, the block that counts the programs)
 _KERNELS = {
@@ -1163,7 +1201,8 @@ def visited_tiles(name: str, tile: TileSpec, t: int, segment_ids: torch.Tensor |
 
 class _Launch:
     """Per-call constants shared by the kernels of one op, the pinned tiles (if any), the packed documents
-    (None: every causal pair is visible) and the debugging tile counter (None: off)."""
+    (None: every causal pair is visible), the debugging tile counter (None: off) and the tile-skipping
+    map shared by the forward, dq and dk/dv kernels (chunked.tile_keep_map at SKIP_CELL; None: off)."""
 
     def __init__(
         self,
@@ -1174,6 +1213,7 @@ class _Launch:
         fp32_precision: str | None = None,
         docs: _Docs | None = None,
         counter: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ):
         fp32_precision = fp32_precision or FP32_PRECISION
         if fp32_precision not in _FP32_PRECISIONS:
@@ -1189,14 +1229,23 @@ class _Launch:
         self.meta = {"KIND": self.kind_id, "HEAD_DIM": self.head_dim, "LOWP": self.lowp, "DOT_PREC": prec}
         self.docs = docs
         self.counter = counter
+        self.keep = keep
+        self.n_cells = triton.cdiv(self.T, SKIP_CELL)
 
-    def doc_args(self, name: str, table: str, dummy: torch.Tensor) -> tuple:
-        """(SEG, DOC_START or DOC_END, CNT) of kernel `name` and its SEGMENTED / COUNT switches; `dummy` stands
-        in for the unused pointers (never read when the switch is off)."""
+    def switch_args(self, name: str, table: str, dummy: torch.Tensor) -> tuple:
+        """(SEG, DOC_START or DOC_END, CNT, KEEP) of kernel `name` and its SEGMENTED / COUNT / SKIPPING
+        switches; `dummy` stands in for the unused pointers (never read when the switch is off)."""
         d = self.docs
         cnt = dummy if self.counter is None else self.counter[COUNTER_SLOTS[name] :]
         ptrs = (dummy, dummy) if d is None else (d.seg, getattr(d, table))
-        return (*ptrs, cnt), {"SEGMENTED": d is not None, "COUNT": self.counter is not None}
+        keep = dummy if self.keep is None else self.keep
+        switches = {
+            "SEGMENTED": d is not None,
+            "COUNT": self.counter is not None,
+            "SKIPPING": self.keep is not None,
+            "CELL_LG": _CELL_LG,
+        }
+        return (*ptrs, cnt, keep), switches
 
     def run(self, name: str, *args, length: int, switches: Mapping[str, bool] | None = None) -> None:
         """Launch kernel `name` with one program per tile of `length` rows or columns and per (b, h)."""
@@ -1232,12 +1281,12 @@ def _forward(
     pre, suf = field_levels(phi32.view(B * H, T), nlev) if lc.kind_id == 0 else (phi32, phi32)
     o = torch.empty((B, H, T, D), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    docs, switches = lc.doc_args("fwd", "start", lse)
+    docs, switches = lc.switch_args("fwd", "start", lse)
     lc.run(
         "fwd",
         q, k, v, phi32, pre, suf, o, lse, *docs,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        H, T, D, nlev, _bucket(T), lc.scale * _LOG2E.value,
+        H, T, D, nlev, _bucket(T), lc.n_cells, lc.scale * _LOG2E.value,
         length=T, switches=switches,
     )  # fmt: skip
     return o, lse
@@ -1286,8 +1335,8 @@ def _backward(
     row_r = torch.zeros((B * H, nlev, T), **f32) if is_fpa else torch.empty((B, H, T), **f32)
     col_r = torch.zeros((B * H, nlev, T), **f32) if is_fpa else row_r
     dcol = torch.empty((B, H, T), **f32)
-    common = (H, T, D, nlev, _bucket(T), lc.scale * _LOG2E.value, lc.scale)
-    docs, switches = lc.doc_args("dq", "start", dcol)
+    common = (H, T, D, nlev, _bucket(T), lc.n_cells, lc.scale * _LOG2E.value, lc.scale)
+    docs, switches = lc.switch_args("dq", "start", dcol)
     lc.run(
         "dq",
         q, k, v, phi32, pre, suf, do, lse, delta, dq, row_r, row_r, *docs,
@@ -1295,7 +1344,7 @@ def _backward(
         *common,
         length=T, switches=switches,
     )  # fmt: skip
-    docs, switches = lc.doc_args("dkv", "end", dcol)
+    docs, switches = lc.switch_args("dkv", "end", dcol)
     lc.run(
         "dkv",
         q, k, v, phi32, pre, suf, do, lse, delta, dk, dv, dcol, col_r, *docs,
@@ -1374,6 +1423,7 @@ def fpa_attention_triton(
     fp32_precision: str | None = None,
     segment_ids: torch.Tensor | None = None,
     tile_counter: torch.Tensor | None = None,
+    skip_epsilon: float | None = None,
 ) -> torch.Tensor:
     """Causal FPA / FoX / softmax attention with the Triton kernels (differentiable in q, k, v and phi).
 
@@ -1390,11 +1440,17 @@ def fpa_attention_triton(
     pins square tiles on every kernel, tiles={"fwd": (64, 32), "dq": (128, 64, 8, 2), ...} pins Tile
     values per kernel. fp32_precision: "tf32" (tensor cores) or "ieee" for fp32 inputs on GPU; default
     FP32_PRECISION (tf32 unless the environment sets FPA_FP32_PRECISION=ieee).
+    skip_epsilon: tile skipping (fpa_model/ops/fpa/skipping.py: each row loses < skip_epsilon of its softmax
+    mass). The decisions are made once per call on SKIP_CELL x SKIP_CELL cells, as the chunked path makes
+    them at block_size SKIP_CELL, and the three kernels skip every tile of a skipped cell, so they skip the
+    same pairs whatever tiles they run; skipped tiles are not counted by tile_counter. fpa and fox (softmax
+    has no field: nothing is skipped); None: off, the kernels as compiled without it.
     Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this module loaded.
     """
     q, k, v, phi, lc = _prepare(
-        q, k, v, phi, kind, scale, block_size, tiles, fp32_precision, segment_ids, tile_counter
-    )
+        q, k, v, phi, kind, scale, block_size, tiles, fp32_precision, segment_ids, tile_counter,
+        skip_epsilon, count=True,
+    )  # fmt: skip
     return _FPATritonFunction.apply(q, k, v, phi, lc)
 
 
@@ -1406,10 +1462,13 @@ def triton_forward(
     kind: str,
     scale: float | None,
     segment_ids: torch.Tensor | None,
+    skip_epsilon: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, base-2 lse (B, H, T) float32) of fpa_attention_triton (autotuned tiles) without autograd,
     for the torch.library op (fpa_model.ops.fpa.library)."""
-    q, k, v, phi, lc = _prepare(q, k, v, phi, kind, scale, None, None, None, segment_ids, None)
+    q, k, v, phi, lc = _prepare(
+        q, k, v, phi, kind, scale, None, None, None, segment_ids, None, skip_epsilon, count=True
+    )
     return _forward(q, k, v, phi.detach().float().contiguous(), lc)
 
 
@@ -1424,9 +1483,13 @@ def triton_backward(
     kind: str,
     scale: float | None,
     segment_ids: torch.Tensor | None,
+    skip_epsilon: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq, dk, dv, dphi in phi's dtype; None for softmax) from triton_forward's out and lse."""
-    q, k, v, phi_in, lc = _prepare(q, k, v, phi, kind, scale, None, None, None, segment_ids, None)
+    """(dq, dk, dv, dphi in phi's dtype; None for softmax) from triton_forward's out and lse (the same
+    skip_epsilon: the skipping map is made again from the same inputs, so the same tiles are skipped)."""
+    q, k, v, phi_in, lc = _prepare(
+        q, k, v, phi, kind, scale, None, None, None, segment_ids, None, skip_epsilon
+    )
     phi32 = phi_in.detach().float().contiguous()
     dq, dk, dv, dphi = _backward(q, k, v, phi32, lse, _last_dim_contiguous(do), lc, o=o)
     if phi is not None and dphi is not None:
@@ -1446,8 +1509,11 @@ def _prepare(
     fp32_precision: str | None,
     segment_ids: torch.Tensor | None,
     tile_counter: torch.Tensor | None,
+    skip_epsilon: float | None = None,
+    count: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Launch]:
-    """Checked inputs (unit last stride; phi zeros for softmax without one) and the launch settings."""
+    """Checked inputs (unit last stride; phi zeros for softmax without one) and the launch settings
+    (count: add the skipping map's kept and skipped cross cells to skipping.skip_counts)."""
     if kind not in KINDS:
         raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")
     if q.dim() != 4:
@@ -1482,7 +1548,13 @@ def _prepare(
     if tile_counter is not None:
         _check_counter(tile_counter, pinned, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    lc = _Launch(q, kind, scale, pinned, fp32_precision, docs, tile_counter)
+    keep = None
+    eps = check_skip_epsilon(skip_epsilon)
+    spec = resolve_kind(kind)
+    if eps is not None and spec.has_field:
+        seg = None if segment_ids is None else check_segment_ids(segment_ids, k)
+        keep = tile_keep_map(q, k, phi, spec, scale, SKIP_CELL, eps, seg, count=count).contiguous()
+    lc = _Launch(q, kind, scale, pinned, fp32_precision, docs, tile_counter, keep)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     return q, k, v, phi, lc
 
