@@ -8,7 +8,10 @@ range grows to ~|1600| at 16k; fox: a gate field phi = cumsum(logsigmoid(z + 3))
     --lengths; fp32 means the default TF32 dots, fp32-ieee forces IEEE fp32 dots (--ieee-lengths);
   - fox and softmax, autotuned, bf16, at --other-lengths;
   - every entry of each kernel's autotune list pinned (tiles=...), the three kernels on DIFFERENT entries
-    (entry i, i+1, i+2 of the fwd, dq and dk/dv lists), fpa, at --tiles-length, every dtype and head dim.
+    (entry i, i+1, i+2 of the fwd, dq and dk/dv lists), fpa, at --tiles-length, every dtype and head dim;
+  - tile skipping (skip_epsilon=--skip-epsilon), fpa and fox, bf16, the first head dim, at --skip-lengths:
+    the reference is the chunked path skipping at block size SKIP_CELL (the same decisions); the row also
+    has the fraction of cross cells skipped and the warm fwd + bwd time against the unskipped kernels.
 The reference is fpa_model.ops.fpa's naive op (T <= --naive-max) or its chunked path (longer T), run in
 float64 on the same device from the very inputs the kernel saw (bf16 values upcast). Errors are
 max |kernel - reference| / max |reference| per tensor (out, dq, dk, dv, dphi), against tolerances per dtype.
@@ -61,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--other-lengths", type=_ints, default=_ints("1024"), help="T for --other-kinds (bf16)")
     ap.add_argument("--tiles-length", type=int, default=1024, help="T of the pinned-tile cases (0: none)")
     ap.add_argument("--naive-max", type=int, default=2048, help="longest T checked against the naive op")
+    ap.add_argument("--skip-lengths", type=_ints, default=_ints("4096"), help="T of the tile-skipping cases")
+    ap.add_argument("--skip-epsilon", type=float, default=1e-3, help="skip_epsilon of those cases")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (plumbing only)")
@@ -79,6 +84,7 @@ class Case:
     d: int
     t: int
     tiles: dict[str, tuple[int, int, int, int]] | None = None  # None: autotuned
+    skip_epsilon: float | None = None  # tile skipping (None: off)
 
     @property
     def label(self) -> str:
@@ -86,7 +92,8 @@ class Case:
             pinned = ""
         else:
             pinned = " tiles " + ",".join(f"{k}={m}x{n}w{w}s{st}" for k, (m, n, w, st) in self.tiles.items())
-        return f"{self.kind:7s} {self.dtype:9s} D={self.d:<3d} T={self.t:<6d}{pinned}"
+        skip = "" if self.skip_epsilon is None else f" skip_epsilon={self.skip_epsilon:g}"
+        return f"{self.kind:7s} {self.dtype:9s} D={self.d:<3d} T={self.t:<6d}{pinned}{skip}"
 
 
 def pinned_tile_sets(d: int) -> list[dict[str, tuple[int, int, int, int]]]:
@@ -115,6 +122,10 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
         for dtype in args.dtypes:
             for d in args.head_dims:
                 cases += [Case("fpa", dtype, d, args.tiles_length, ts) for ts in pinned_tile_sets(d)]
+    for t in args.skip_lengths:
+        cases += [
+            Case(k, "bf16", args.head_dims[0], t, skip_epsilon=args.skip_epsilon) for k in ("fpa", "fox")
+        ]
     return cases
 
 
@@ -148,7 +159,8 @@ def run(fn, q, k, v, phi, do, device: torch.device, **kw) -> tuple[list[torch.Te
 
 def check_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from fpa_model.ops.fpa import chunked_fpa_attention, fpa_attention_naive
-    from fpa_model.ops.fpa.triton_kernel import fpa_attention_triton
+    from fpa_model.ops.fpa.skipping import skip_counts
+    from fpa_model.ops.fpa.triton_kernel import SKIP_CELL, fpa_attention_triton
 
     q, k, v, phi, do = make_inputs(case, args, device)
     kw: dict[str, Any] = {"kind": case.kind}
@@ -156,10 +168,38 @@ def check_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
         kw["fp32_precision"] = "ieee" if case.dtype == "fp32-ieee" else "tf32"
     if case.tiles is not None:
         kw["tiles"] = case.tiles
-    got, seconds = run(fpa_attention_triton, q, k, v, phi, do, device, **kw)
-    ref_name = "naive" if case.t <= args.naive_max else "chunked"
-    ref_fn = fpa_attention_naive if ref_name == "naive" else chunked_fpa_attention
-    ref, ref_seconds = run(ref_fn, *(x.double() for x in (q, k, v, phi, do)), device, kind=case.kind)
+    skipping: dict[str, Any] = {}
+    if case.skip_epsilon is not None:
+        with skip_counts() as counts:
+            got, seconds = run(
+                fpa_attention_triton, q, k, v, phi, do, device, **kw, skip_epsilon=case.skip_epsilon
+            )
+        warm = full = None  # timed on a GPU only (the interpreter's times say nothing)
+        if device.type == "cuda":
+            warm = run(fpa_attention_triton, q, k, v, phi, do, device, **kw, skip_epsilon=case.skip_epsilon)[
+                1
+            ]
+            run(fpa_attention_triton, q, k, v, phi, do, device, **kw)  # compiles, tunes the unskipped kernels
+            full = run(fpa_attention_triton, q, k, v, phi, do, device, **kw)[1]
+        skipping = {
+            "skip_epsilon": case.skip_epsilon,
+            "cells_skipped": counts.skipped,
+            "cells_total": counts.total,
+            "fraction_skipped": round(counts.fraction_skipped, 4),
+            "warm_seconds": None if warm is None else round(warm, 4),
+            "unskipped_warm_seconds": None if full is None else round(full, 4),
+            "time_ratio": round(warm / full, 3) if warm is not None and full else None,
+        }
+        ref_name = f"chunked skipping at block {SKIP_CELL}"
+        ref_kw = {"kind": case.kind, "block_size": SKIP_CELL, "skip_epsilon": case.skip_epsilon}
+        ref, ref_seconds = run(
+            chunked_fpa_attention, *(x.double() for x in (q, k, v, phi, do)), device, **ref_kw
+        )
+    else:
+        got, seconds = run(fpa_attention_triton, q, k, v, phi, do, device, **kw)
+        ref_name = "naive" if case.t <= args.naive_max else "chunked"
+        ref_fn = fpa_attention_naive if ref_name == "naive" else chunked_fpa_attention
+        ref, ref_seconds = run(ref_fn, *(x.double() for x in (q, k, v, phi, do)), device, kind=case.kind)
     errors, scales = {}, {}
     for name, a, r in zip(NAMES, got, ref):
         if name == "dphi" and case.kind == "softmax":
@@ -186,6 +226,7 @@ def check_case(case: Case, args: argparse.Namespace, device: torch.device) -> di
         "rel_errors": {n: float(f"{e:.3g}") for n, e in errors.items()},
         "reference_max_abs": {n: float(f"{s:.4g}") for n, s in scales.items()},
         "tolerance": tol,
+        **skipping,
         "ok": not bad,
     }
 

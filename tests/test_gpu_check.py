@@ -238,7 +238,7 @@ def test_kernel_check_plumbing_under_the_interpreter(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(ROOT / "bench" / "gpu_kernel_check.py"), "--device", "cpu", "--lengths", "40",
         "--head-dims", "16", "--dtypes", "fp32,bf16", "--ieee-lengths", "", "--other-lengths", "24",
-        "--tiles-length", "48", "--naive-max", "40", "--json", str(out),
+        "--tiles-length", "48", "--naive-max", "40", "--skip-lengths", "136", "--json", str(out),
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -254,4 +254,11 @@ def test_kernel_check_plumbing_under_the_interpreter(tmp_path: Path) -> None:
     sets_per_dtype = max(len(GPU_TILES_BY_DIM[k][64]) for k in ("fwd", "dq", "dkv"))  # every entry once
     assert len(pinned) == 2 * sets_per_dtype and all(len({tuple(v) for v in t.values()}) == 3 for t in pinned)
     assert set(rep["first_call_s"]) == {"fp32/fpa/D16", "bf16/fpa/D16", "bf16/fox/D16", "bf16/softmax/D16"}
+    # Tile skipping, fpa and fox: against the chunked path skipping at SKIP_CELL; T = 136 has one cross
+    # cell per head (4 heads); the skipped fraction is reported (timings are taken on a GPU only).
+    skip_rows = [row for row in rep["rows"] if "skip_epsilon" in row]
+    assert sorted(row["kind"] for row in skip_rows) == ["fox", "fpa"]
+    for row in skip_rows:
+        assert row["reference"] == "chunked skipping at block 128" and row["cells_total"] == 4, row
+        assert 0 <= row["cells_skipped"] <= 4 and row["time_ratio"] is None
     assert rep["worst"]["fp32"]["dphi"] < 1e-5
