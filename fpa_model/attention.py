@@ -376,11 +376,6 @@ class Attention(nn.Module):
     def _forward_sequence_parallel(
         self, x: Tensor, sp: SequenceParallel, segment_ids: Tensor | None = None
     ) -> Tensor:
-        if self.cfg.skip_epsilon is not None and self.spec.has_field:
-            raise ValueError(
-                "model.attention.skip_epsilon (tile skipping) is not served under sequence parallelism yet; "
-                "set it to null or train on one rank per sequence"
-            )
         # Projections, qk-norm and the field increments are per token; RoPE needs each chunk's absolute
         # offset (a zigzag rank holds two chunks far apart). The field's cumsum happens across ranks. The
         # kv shift needs, for each chunk's first token, the raw k, v of the token before it, which another
@@ -420,6 +415,7 @@ class Attention(nn.Module):
             o = sequence_parallel_attention(
                 q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk",
                 block_size=self.cfg.block_size, impl=self.cfg.impl, segment_ids=segment_ids,
+                skip_epsilon=self.cfg.skip_epsilon,
             )  # fmt: skip
             return self.output(o, x)
         # RoPE and the log-n factor need each chunk's absolute positions.
@@ -434,7 +430,7 @@ class Attention(nn.Module):
             q, k, v, u = self._finish_projection(x, q, k, v, ids[0] * c)
         o = sequence_parallel_attention(
             q, k, v, u, sp, kind=self.spec, field=self.field_mode or "walk", block_size=self.cfg.block_size,
-            impl=self.cfg.impl,
+            impl=self.cfg.impl, skip_epsilon=self.cfg.skip_epsilon,
         )  # fmt: skip
         return self.output(o, x)
 

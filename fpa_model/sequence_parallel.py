@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fpa_model.config import ATTENTION_IMPLS, FIELD_MODES, SP_LAYOUTS, SP_MODES
-from fpa_model.ops.fpa import chunked, fpa_attention
+from fpa_model.ops.fpa import chunked, fpa_attention, skipping
 from fpa_model.ops.fpa.kinds import AttentionKind, resolve_kind
 
 LAYOUTS = SP_LAYOUTS
@@ -329,6 +329,38 @@ def _tile_m(
     return torch.where(m_wins, m, pref), m_wins
 
 
+def _pair_keep(
+    q_a: Tensor, k_a: Tensor, phi_a: Tensor | None, k_b: Tensor, phi_b: Tensor | None, m: Tensor | None,
+    kind: AttentionKind, scale: float, t: int, eps: float,
+) -> Tensor:  # fmt: skip
+    """(B, H) bool: the (b, h) of the chunk pair (query chunk a, earlier key chunk b) that tile skipping
+    cannot rule out. skipping.TileBound with query chunk a as one block and key chunk b as one block (M the
+    minimum over the chunks between them), so the ring decides as the chunked path does at a block size of
+    one chunk over the whole sequence of t tokens (each skipped key weighs < eps / t in its row)."""
+    b, h, c, d = q_a.shape
+    blocks = lambda x: x.detach().float().reshape(1, b * h, c, *x.shape[3:])  # noqa: E731
+    kb = torch.cat([blocks(k_b), blocks(k_a)])  # key block 0: chunk b; 1: chunk a (the diagonal logits)
+    phib = None
+    if kind.has_field:
+        phib = torch.cat([blocks(phi_b[..., None]), blocks(phi_a[..., None])])[..., 0]
+    bound = skipping.TileBound(
+        blocks(q_a) * scale, kb, phib, range_min=kind.range_min, qb0=1, front=0, back=0, tk=t, eps=eps
+    )  # fmt: skip
+    qb = torch.zeros(1, dtype=torch.long, device=q_a.device)
+    if kind.range_min:
+        p_min = chunked.prefix_min(phib[1:])[0]
+        s_min = chunked.suffix_min(phib[:1])[0]
+        keep = bound.keep(qb, qb, p_min, s_min, m.detach().float().reshape(1, b * h))
+    else:
+        keep = bound.keep(qb, qb)
+    return keep.view(b, h)
+
+
+def _keep_only(x: Tensor | None, keep: Tensor) -> Tensor | None:
+    """x (B, H, ...) with the (b, h) that keep (B, H) rules out zeroed."""
+    return None if x is None else x * keep.view(*keep.shape, *[1] * (x.dim() - 2))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -344,6 +376,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         rows: int,
         impl: str,
+        eps: float | None = None,
     ) -> Tensor:
         # The block functions get the kind's name: the Triton blocks take it in that form.
         ops, blk = chunked, _block_fns(impl)
@@ -364,6 +397,11 @@ class _RingAttention(torch.autograd.Function):
 
         ring = _Ring(group) if world > 1 else None
         dk = k.shape[-1]
+        # Tile skipping: one decision per (query chunk, key chunk, b, h), made here and replayed by the
+        # backward; a pair skipped for every (b, h) is not computed, a partly skipped one is masked.
+        skip_eps = eps if kind.has_field else None
+        decided: dict[tuple[int, int], Tensor] = {}
+        t_total = q.shape[-2] * world
         # K and V travel as one tensor (one message per hop), phi beside it in float32.
         travel = [torch.cat([k, v], dim=-1)] + ([phi] if phi is not None else [])
         for step in range(world):
@@ -375,6 +413,20 @@ class _RingAttention(torch.autograd.Function):
                     if b > a:
                         continue
                     m = _between_min(fld.minima, b, a)[0] if kind.range_min else None
+                    keep = None
+                    if skip_eps is not None and b < a:
+                        keep = _pair_keep(
+                            qs[ia], k.split(c, dim=-2)[ia], phis_q[ia], kk[ib], pk[ib], m, kind, scale,
+                            t_total, skip_eps,
+                        )  # fmt: skip
+                        decided[(ia, b)] = keep
+                        if skipping.counting():
+                            n_keep = int(keep.sum())
+                            skipping.record(n_keep, keep.numel() - n_keep)
+                        if not bool(keep.any()):
+                            continue
+                        if bool(keep.all()):
+                            keep = None
                     for s, e in _tiles(impl, c, rows):
                         qt = qs[ia][..., s:e, :]
                         if b == a:
@@ -404,6 +456,8 @@ class _RingAttention(torch.autograd.Function):
                             o, lt = blk.fpa_cross_forward(
                                 qt, kk[ib], vv[ib], pq, pk[ib], mt, kind=kind.name, scale=scale
                             )
+                            if keep is not None:  # the skipped (b, h) of this pair weigh nothing
+                                lt = lt.masked_fill(~keep[..., None], -math.inf)
                         o_m, l_m = ops.merge_lse(outs[ia][..., s:e, :], lses[ia][..., s:e], o, lt)
                         outs[ia][..., s:e, :] = o_m
                         lses[ia][..., s:e] = l_m
@@ -416,6 +470,7 @@ class _RingAttention(torch.autograd.Function):
         argmin = fld.argmin if fld is not None else None
         ctx.save_for_backward(q, k, v, phi, out_t, lse, minima, argmin)
         ctx.meta = (kind, field, layout, group, scale, rows, impl, u is not None)
+        ctx.decided = decided
         return out_t
 
     @staticmethod
@@ -462,6 +517,11 @@ class _RingAttention(torch.autograd.Function):
                     if b > a:
                         continue
                     m, m_at = _between_min(minima, b, a) if kind.range_min else (None, None)
+                    keep = ctx.decided.get((ia, b)) if b < a else None  # the forward's decision
+                    if keep is not None:
+                        if not bool(keep.any()):
+                            continue
+                        keep = None if bool(keep.all()) else keep
                     for s, e in _tiles(impl, c, rows):
                         args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
                         tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}
@@ -493,6 +553,8 @@ class _RingAttention(torch.autograd.Function):
                         g = blk.fpa_cross_backward(
                             *args, kk[ib], vv[ib], pq, pk[ib], mt, **tile, kind=kind.name, scale=scale
                         )
+                        if keep is not None:  # skipped (b, h): no gradient, as they had no weight
+                            g = chunked.CrossGrads(*(_keep_only(x, keep) for x in g))
                         dqs[ia][..., s:e, :] += g.dq
                         gk[ib].add_(g.dk)
                         gv[ib].add_(g.dv)
@@ -527,7 +589,7 @@ class _RingAttention(torch.autograd.Function):
             du = _field_backward(
                 acc[..., -1] + dphi_q, dm_buf, argmin, kind, field, ids, group, world, layout
             )
-        return dq.to(q.dtype), dk_t, dv_t, du, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk_t, dv_t, du, None, None, None, None, None, None, None, None
 
 
 def _field_backward(
@@ -604,6 +666,7 @@ def ring_attention(
     layout: str = "zigzag",
     impl: str = "auto",
     segment_ids: Tensor | None = None,
+    skip_epsilon: float | None = None,
 ) -> Tensor:
     """Causal FPA / FoX / softmax attention of a sequence split over the ranks of `group`.
 
@@ -623,12 +686,18 @@ def ring_attention(
     segment_ids (B, T), the whole sequence's document ids (the same on every rank, data_prep.loader.
     document_segments of the full windows): pairs in different documents are masked. The keys are then
     all-gathered (_gathered_documents) instead of passed round the ring.
+    skip_epsilon: tile skipping (fpa_model/ops/fpa/skipping.py; kinds with a field): a (query chunk, key
+    chunk, b, h) whose logits the bound rules out is left out (each row loses < skip_epsilon of its mass),
+    decided as the chunked path decides at a block size of one chunk; a chunk pair left out for every
+    (b, h) is not computed. The keys still travel the whole ring. With segment_ids, the gathered keys go
+    to fpa_attention with skip_epsilon (its own blocks decide).
     """
     kind = resolve_kind(kind)
     u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)
+    eps = skipping.check_skip_epsilon(skip_epsilon)
     if segment_ids is not None:
         return _gathered_documents(q, k, v, u_or_phi, kind, field, group, scale, block_size, layout, impl,
-                                   segment_ids)  # fmt: skip
+                                   segment_ids, eps)  # fmt: skip
     _, world = _group_info(group)
     n_local = num_chunks(world, layout) // world
     if q.shape[-2] % n_local:
@@ -641,7 +710,7 @@ def ring_attention(
     # Resolved before any communication: a forced impl that cannot run fails on every rank alike.
     impl = _resolve_impl(impl, q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl)
+    return _RingAttention.apply(q, k, v, u_or_phi, kind, field, layout, group, scale, block_size, impl, eps)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -676,6 +745,7 @@ def _gathered_documents(
     layout: str,
     impl: str,
     segment_ids: Tensor,
+    skip_epsilon: float | None = None,
 ) -> Tensor:
     """The ring's contract with documents: every rank gathers the whole sequence's k, v and field
     increments (differentiably) and runs fpa_attention (its document tile skipping and masks) for each
@@ -708,7 +778,7 @@ def _gathered_documents(
             fpa_attention(
                 q[..., i * c : (i + 1) * c, :], full[0][..., :end, :], full[1][..., :end, :],
                 None if phi is None else phi[..., :end], kind=kind, scale=scale, impl=impl,
-                block_size=block_size, segment_ids=segment_ids[:, :end],
+                block_size=block_size, segment_ids=segment_ids[:, :end], skip_epsilon=skip_epsilon,
             )
         )  # fmt: skip
     return torch.cat(outs, dim=-2)
@@ -771,13 +841,15 @@ def ulysses_attention(
     layout: str = "zigzag",
     impl: str = "auto",
     segment_ids: Tensor | None = None,
+    skip_epsilon: float | None = None,
 ) -> Tensor:
     """Same contract as ring_attention, by all-to-all over heads (DeepSpeed-Ulysses).
 
     Each rank gathers the whole sequence for H/W of the heads (H must be divisible by W), builds the
     field with a plain cumsum, runs fpa_attention (impl as given) and scatters the output back. Moves
     4 (q, k, v, out) x T/W x H x D per rank and needs O(T) activations per rank for H/W heads; the ring
-    moves K/V W-1 times but never holds the full sequence.
+    moves K/V W-1 times but never holds the full sequence. skip_epsilon goes to fpa_attention, which decides
+    per head exactly as on one rank.
     """
     rank, world = _group_info(group)
     if q.shape[1] % world:
@@ -800,7 +872,7 @@ def ulysses_attention(
         phi = u.cumsum(-1) if field in ("walk", "gate") else u
     o = fpa_attention(
         full[0], full[1], full[2], phi, kind=kind, scale=scale, impl=impl, block_size=block_size,
-        segment_ids=segment_ids,
+        segment_ids=segment_ids, skip_epsilon=skip_epsilon,
     )  # fmt: skip
     if world == 1:
         return shard_sequence(o, 0, 1, dim=2, layout=layout)
@@ -890,11 +962,13 @@ def sequence_parallel_attention(
     block_size: int = 64,
     impl: str = "auto",
     segment_ids: Tensor | None = None,
+    skip_epsilon: float | None = None,
 ) -> Tensor:
     """ring_attention or ulysses_attention over sp's group and layout, as sp.mode says.
-    segment_ids: the whole sequence's (B, T) document ids, the same on every rank."""
+    segment_ids: the whole sequence's (B, T) document ids, the same on every rank; skip_epsilon: tile
+    skipping (see ring_attention)."""
     attend = ulysses_attention if sp.mode == "ulysses" else ring_attention
     return attend(
         q, k, v, u_or_phi, kind=kind, field=field, group=sp.group, layout=sp.layout, block_size=block_size,
-        impl=impl, segment_ids=segment_ids,
+        impl=impl, segment_ids=segment_ids, skip_epsilon=skip_epsilon,
     )  # fmt: skip

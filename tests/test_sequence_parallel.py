@@ -299,6 +299,109 @@ def _triton_ring(rank: int, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
+# Tile skipping across ranks: (mode, layout, field). "sawtooth": a walk that dips by 30 every 9 tokens
+# (most earlier chunks erased); "strong": a FoX gate field decaying by about 3 a token; "weak": a walk of
+# tiny steps (nothing can be skipped); "threshold": q = 0 (every logit is its bias) and a staircase that
+# steps down by D at each chunk start, D = tau + 0.5 on heads 0-1 (every cross pair goes, yet the keys of
+# the chunk just before still weigh e^-0.5 eps / T each: measurable) and tau - 0.5 on heads 2-3 (adjacent
+# pairs kept, the others 2D down go), at epsilon 0.05: adjacent pairs are partly skipped.
+SKIP_EPS = 1e-3
+THRESHOLD_EPS = 0.05
+SKIP_CASES = [
+    ("ring", "zigzag", "fpa", "sawtooth"),
+    ("ring", "contiguous", "fpa", "sawtooth"),
+    ("ring", "zigzag", "fox", "strong"),
+    ("ring", "zigzag", "fpa", "weak"),
+    ("ring", "zigzag", "fpa", "threshold"),
+    ("ulysses", "zigzag", "fpa", "sawtooth"),
+]
+
+
+def _skip_inputs(field: str, seed: int, world: int, layout: str) -> dict[str, torch.Tensor]:
+    t = _make_inputs("fpa", "walk", seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    noise = torch.randn(t["pre"].shape, generator=g, dtype=torch.float64)
+    if field == "sawtooth":
+        dips = torch.where(torch.arange(SEQ) % 9 == 0, -30.0, 0.0).to(torch.float64)
+        t["pre"] = dips + 0.1 * noise  # walk increments
+    elif field == "strong":
+        t["pre"] = -3.0 + 0.3 * noise  # gate pre-activations: logsigmoid about -3
+    elif field == "threshold":
+        t["q"].zero_()
+        tau = math.log(SEQ / THRESHOLD_EPS)
+        depth = torch.tensor([tau + 0.5, tau + 0.5, tau - 0.5, tau - 0.5], dtype=torch.float64)[:, None]
+        c = SEQ // cp.num_chunks(world, layout)
+        u = torch.zeros(SEQ, dtype=torch.float64)
+        u[c::c] = -1.0  # phi = -depth x (chunk index)
+        t["pre"] = (u * depth).expand_as(t["pre"]).clone()
+    else:
+        t["pre"] = 0.01 * noise
+    return t
+
+
+def _skipping_sp(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """skip_epsilon across ranks vs one process: the ring decides per (query chunk, key chunk, b, h) as the
+    chunked path does at a block size of one chunk, Ulysses per head as fpa_attention does; outputs and
+    every gradient vs that single-process op, the tiles counted over the ranks vs its counts."""
+    from fpa_model.ops.fpa.chunked import chunked_fpa_attention
+    from fpa_model.ops.fpa.skipping import skip_counts
+
+    out: dict[str, dict[str, float]] = {}
+    for i, (mode, layout, kind, field) in enumerate(SKIP_CASES):
+        t = _skip_inputs(field, 500 + i, world, layout)
+        eps = THRESHOLD_EPS if field == "threshold" else SKIP_EPS
+        gate = "gate" if kind == "fox" else "walk"
+        c = SEQ // cp.num_chunks(world, layout)
+        block = c if mode == "ring" else BLOCK  # the single-process op that decides alike
+        leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
+        u = _field_of(leaves["pre"], gate)
+        with skip_counts() as ref_counts:
+            ref_out = chunked_fpa_attention(
+                leaves["q"], leaves["k"], leaves["v"], u.cumsum(-1), kind=kind, block_size=block,
+                skip_epsilon=eps,
+            )  # fmt: skip
+        ref_out.backward(t["dout"])
+        ref = {"out": ref_out.detach()} | {"d" + n: x.grad for n, x in leaves.items()}
+        full = chunked_fpa_attention(t["q"], t["k"], t["v"], _field_of(t["pre"], gate).cumsum(-1), kind=kind)
+        loc = {n: shard_sequence(t[n].float(), rank, world, dim=2, layout=layout) for n in t}
+        lv = {n: loc[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
+        attention = ring_attention if mode == "ring" else ulysses_attention
+        with skip_counts() as counts:
+            o = attention(
+                lv["q"], lv["k"], lv["v"], _field_of(lv["pre"], gate), kind=kind, field=gate,
+                block_size=BLOCK, layout=layout, skip_epsilon=eps,
+            )  # fmt: skip
+        o.backward(loc["dout"])
+        got = {"out": o.detach()} | {"d" + n: x.grad for n, x in lv.items()}
+        errs = {
+            name: float(
+                (got[name].double() - shard_sequence(r, rank, world, dim=2, layout=layout)).abs().max()
+                / r.abs().max().clamp_min(1e-12)
+            )
+            for name, r in ref.items()
+        }
+        n = torch.tensor([counts.kept, counts.skipped], dtype=torch.long)
+        dist.all_reduce(n)
+        off = (o.detach().double() - shard_sequence(full, rank, world, dim=2, layout=layout)).abs().max()
+        out["-".join((mode, layout, kind, field))] = {
+            **errs, "kept": int(n[0]), "skipped": int(n[1]), "ref_kept": ref_counts.kept,
+            "ref_skipped": ref_counts.skipped, "vs_unskipped": float(off / t["v"].abs().max()), "eps": eps,
+        }  # fmt: skip
+    # The model's skip_epsilon reaches the ring: its attention layers decide (and count) chunk pairs.
+    from fpa_model.config import AttentionConfig, ModelConfig
+    from fpa_model.model import GPT
+    from fpa_model.sequence_parallel import SequenceParallel
+
+    att = AttentionConfig(kind="fpa", block_size=4, field_weight_std=0.5, skip_epsilon=SKIP_EPS)
+    model = GPT(ModelConfig(vocab_size=61, n_layer=2, n_head=2, d_model=32, max_seq_len=64, attention=att))
+    model.set_sequence_parallel(SequenceParallel(dist.group.WORLD))
+    x, _ = shard_batch(torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(3)), rank, world)
+    with skip_counts() as counts:
+        model(x)
+    out["model"] = {"total": counts.total}
+    return out
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, extra: list[str]) -> None:
     torch.set_num_threads(1)
     # Tiles of exactly BLOCK query rows (short chunks would otherwise be one tile): exercises the folding
@@ -346,8 +449,8 @@ def _spawn(world: int, tmp_root: Path, extra: tuple[str, ...] = ()) -> list[dict
 def _extras(world: int) -> tuple[str, ...]:
     """The loss, Triton-ring and GPT checks ride on the 2-rank spawn (one spawn, not two)."""
     if world != 2:
-        return ("_gpt_kv_shift_step",)
-    return ("_sp_loss_check", "_triton_ring", "_gpt_sp_step", "_gpt_kv_shift_step")
+        return ("_gpt_kv_shift_step", "_skipping_sp")
+    return ("_sp_loss_check", "_triton_ring", "_gpt_sp_step", "_gpt_kv_shift_step", "_skipping_sp")
 
 
 @pytest.fixture(scope="module")
@@ -429,6 +532,41 @@ def test_gpt_kv_shift_sequence_parallel_matches_one_rank(
             assert {"blocks.0.attn.out_norm.weight", "blocks.1.attn.q_norm.weight"} <= set(errs)
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", SKIP_CASES, ids=["-".join(c) for c in SKIP_CASES])
+def test_tile_skipping_across_ranks_matches_the_single_process_op(
+    world: int, case: tuple, tmp_root: Path
+) -> None:
+    """skip_epsilon under sequence parallelism: the ring skips the (chunk pair, b, h) the chunked path
+    skips at a block size of one chunk (Ulysses: what fpa_attention skips per head), with the same outputs
+    and gradients, and stays within the guarantee of the unskipped op (2 eps max|v|)."""
+    mode, layout, kind, field = case
+    for rank, res in enumerate(_spawn(world, tmp_root, _extras(world))):
+        r = res["_skipping_sp"]
+        assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
+        got = r["-".join(case)]
+        assert (got["kept"], got["skipped"]) == (got["ref_kept"], got["ref_skipped"]), got
+        if field == "weak":
+            assert got["skipped"] == 0 and got["vs_unskipped"] < 1e-5, got
+        elif field == "threshold":  # heads 2-3 keep the adjacent pairs (N - 1 per batch row), nothing else
+            n = cp.num_chunks(world, layout)
+            assert got["kept"] == (n - 1) * 2 * 2 and got["skipped"] == n * (n - 1) // 2 * 8 - got["kept"], (
+                got
+            )
+            # measurably not the unskipped op (its float error is about 1e-7), and within the guarantee
+            assert 1e-3 < got["vs_unskipped"] <= 2 * got["eps"], got
+        else:
+            # The dips erase every chunk pair with a chunk between them (adjacent ones keep the keys just
+            # before the query chunk): at least (N-1)(N-2)/2 pairs per (b, h) go, N chunks (B=2, H=4).
+            n = cp.num_chunks(world, layout)
+            assert got["skipped"] >= max(1 if mode == "ulysses" else 0, (n - 1) * (n - 2) // 2 * 8), got
+            assert got["vs_unskipped"] <= 2 * got["eps"], got
+        bad = {k: v for k, v in got.items() if k in ("out", "dq", "dk", "dv", "dpre") and not v < TOL}
+        assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
+        assert r["model"]["total"] > 0  # the model's layers decided chunk pairs in the ring
 
 
 @pytest.mark.distributed

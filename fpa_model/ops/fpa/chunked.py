@@ -1099,7 +1099,7 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
     if segb is not None:
         first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
     for d, qb, qi, kb, keep, visible in _decisions(plan, field, bound, segb):
-        if count:
+        if count and skipping.counting():
             n_vis = keep.numel() if visible is None else int(visible.sum())
             n_keep = int(keep.sum())
             skipping.record(n_keep, n_vis - n_keep)
@@ -1286,7 +1286,7 @@ def tile_keep_map(
         for _d, qb, _qi, kb, keep, visible in _decisions(plan, field, bound, segb):
             kept = keep if visible is None else keep | ~visible
             keep_map[:, qb, kb] = kept.t().to(torch.uint8)
-            if count:
+            if count and skipping.counting():  # int() syncs a GPU: only when someone counts
                 n_vis = keep.numel() if visible is None else int(visible.sum())
                 n_keep = int(keep.sum())
                 skipping.record(n_keep, n_vis - n_keep)

@@ -71,6 +71,11 @@ def skip_counts() -> Iterator[SkipCounts]:
         _ACTIVE.remove(counts)
 
 
+def counting() -> bool:
+    """Whether a skip_counts() block is open (callers skip the host syncs of counting otherwise)."""
+    return bool(_ACTIVE)
+
+
 def record(kept: int, skipped: int) -> None:
     for c in _ACTIVE:
         c.kept += kept
@@ -114,4 +119,4 @@ class TileBound:
         return ~((lead + bias).amax(dim=-1) < -self.tau)  # NaN keeps its tile (and propagates)
 
 
-__all__ = ["SkipCounts", "TileBound", "check_skip_epsilon", "record", "skip_counts", "skip_tau"]
+__all__ = ["SkipCounts", "TileBound", "check_skip_epsilon", "counting", "record", "skip_counts", "skip_tau"]

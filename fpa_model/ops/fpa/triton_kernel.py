@@ -956,12 +956,11 @@ class Tile(NamedTuple):
 # The GPU autotune lists (Hopper / Ampere), per head-dim bucket (64: D <= 64, 128: D <= 128). 64- and
 # 128-row tiles on the side that is the MMA's M (queries in fwd / dq, keys in dk/dv) so Hopper's warpgroup
 # MMA applies. docs/kernel_resources.md has the registers, spills and shared memory of every entry compiled
-# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills without
-# segment ids; with them (SEGMENTED) fwd 128 x 64 spills on sm_80 (16-136 B), a few others 8-24 B. At D = 128
-# the causal dk/dv kernel spilled with 64 key rows (80 B on sm_90 under Triton 3.9) until its query loops
-# stopped hoisting the K / V operand addresses (disable_licm); 16 x 64 now fits on both GPUs under both
-# Tritons and leads its list, the 32-row tiles stay as fallbacks. Its 32 x 64 still spills on sm_80 under
-# Triton 3.9 (24 B) and 128 key rows spill everywhere. dq keeps a 64-row tile at 1 stage.
+# for sm_90 and sm_80 with Triton 3.9 and 3.6 (bench/kernel_resources.py): no entry spills plain or with
+# tile skipping (SKIPPING); with segment ids (SEGMENTED) fwd 128 x 64 spills (16-136 B, most on sm_80
+# under Triton 3.6) and a few others 8-24 B. The causal dk/dv kernel spilled with 64 key rows at D = 128
+# until its query loops stopped hoisting the K / V operand addresses (disable_licm); 16 x 64 now fits on
+# both GPUs under both Tritons and leads its list. dq keeps a 64-row tile at 1 stage.
 # The routing does not depend on the tiles, so each kernel may pick any entry of its list.
 GPU_TILES_BY_DIM: dict[str, dict[int, list[Tile]]] = {
     "fwd": {64: [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(64, 32, 4, 3)], 128: [Tile(128, 32, 8, 2)]},
