@@ -407,12 +407,17 @@ data = Path(sys.argv[1])
 cfg = load_config([], [f"data.out_dir={data}", f"runs_dir={data.parent}"])
 stages.check_data = lambda cfg: None  # no real shards: the stage body below is replaced
 seen = {}
+# Each body first meets the other rank, as a real stage does before it returns: without it one rank could
+# end the group while the other is still connecting its gloo pairs ("Connection closed by peer").
 def finished(cfg, rank, world, force):
+    dist.barrier()
     seen["inside"] = dist.is_initialized() and dist.get_world_size()
     return {"steps": 1}
 def preempted(cfg, rank, world, force):
+    dist.barrier()
     raise Preempted(3, None)
 def refused(cfg, rank, world, force):
+    dist.barrier()
     raise ConfigError("refused")
 ports = sys.argv[2].split(",")
 rounds = (("finished", finished), ("preempted", preempted), ("refused", refused))
