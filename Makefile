@@ -56,10 +56,11 @@ test: $(STAMP_TEST) $(STAMP36)
 	cat $$log; rm -f $$log; \
 	exit $$rc
 
-# The Triton tests (interpreter) again on triton 3.6.0: the three kernel test files whole, and the tests
-# marked `triton` in test_sequence_parallel.py (the ring on Triton blocks) and test_gpu_check.py
-# (bench/gpu_kernel_check.py at toy sizes). The venv holds torch, triton, numpy, pytest and the project
-# (--no-deps): the kernels and their tests import nothing else. Both runs go on when one fails (rc=1).
+# The Triton tests (interpreter) again on triton 3.6.0, in one pytest session: the tests marked `triton`,
+# which are the three kernel test files whole, the ring on Triton blocks in test_sequence_parallel.py
+# and bench/gpu_kernel_check.py at toy sizes in test_gpu_check.py. File by file (the ring's spawns are
+# per module), the long kernel file first. The venv holds torch, triton, numpy, pytest and the project
+# (--no-deps): the kernels and their tests import nothing else.
 $(STAMP36): pyproject.toml constraints/cpu-triton36.txt
 	$(PY) -m venv $(VENV36)
 	$(VENV36)/bin/pip install -q --upgrade pip
@@ -69,10 +70,9 @@ $(STAMP36): pyproject.toml constraints/cpu-triton36.txt
 
 TRITON36_TESTS = \
 	$(VENV36)/bin/python -c "import triton, torch; print('Triton tests on triton', triton.__version__, 'torch', torch.__version__)"; \
-	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(NP_WARN) tests/test_fpa_triton.py tests/test_triton_blocks.py \
-		tests/test_tile_skipping_triton.py || rc=1; \
-	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(NP_WARN) -m 'triton and not gpu' \
-		tests/test_sequence_parallel.py tests/test_gpu_check.py || rc=1
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		$(NP_WARN) -m 'triton and not gpu' tests/test_fpa_triton.py tests/test_triton_blocks.py \
+		tests/test_tile_skipping_triton.py tests/test_sequence_parallel.py tests/test_gpu_check.py || rc=1
 
 test-triton36: $(STAMP36)
 	rc=0; \

@@ -17,6 +17,7 @@ import torch
 from fpa_model.ops.fpa import chunked
 from fpa_model.ops.fpa import triton_kernel as tk
 
+pytestmark = pytest.mark.triton  # the whole file reruns on Triton 3.6 (make test-triton36)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
 KINDS = ("fpa", "fox", "softmax")
