@@ -5,13 +5,10 @@ against an earlier key tile J, with P_i the prefix minimum of phi inside I, S_j 
 J, M the minimum of phi over the blocks strictly between, and q already multiplied by the logit scale:
 
     fpa: logit_ij = q_i.k_j + min(P_i, M, S_j) - phi_j
-                 <= lead_iJ + min(P_i - min_J phi, max_{j in J}(min(M, S_j) - phi_j))
-    fox: logit_ij = q_i.k_j + phi_i - phi_j  <=  lead_iJ + phi_i - min_J phi
-    lead_iJ = min(|q_i| max_J|k|, q_i.mu_J + |q_i| max_J|k - mu_J|),  mu_J the mean key of J
+                 <= |q_i| max_J|k| + min(P_i - min_J phi, max_{j in J}(min(M, S_j) - phi_j))
+    fox: logit_ij = q_i.k_j + phi_i - phi_j  <=  |q_i| max_J|k| + phi_i - min_J phi
 
-(Cauchy-Schwarz for the dot product, of k_j itself or of its offset from the tile's mean key: trained keys
-share a large common part, which the second form does not charge every row for; min(a, c_j) - phi_j <=
-min(a - min phi, c_j - phi_j) for the bias.)
+(Cauchy-Schwarz for the dot product; min(a, c_j) - phi_j <= min(a - min phi, c_j - phi_j) for the bias.)
 The reference of row i is its diagonal logit r_i = q_i.k_i (b_ii = 0), which every row has, so the
 row's full log-sum-exp is >= r_i whatever else it attends to (documents included). The tile is skipped
 when, for every real query row i of I, bound_i < r_i - tau with tau = log(Tk / epsilon): each skipped
@@ -102,12 +99,7 @@ class TileBound:
         if back:
             ref[-1, :, ref.shape[-1] - back :] = math.inf
         self.neg_ref = -ref
-        self.qs = qs
         self.kmax = k.norm(dim=-1).amax(dim=-1)  # (n_blk, BH)
-        # The mean key of each block and the farthest key from it (padding rows sit in the last block,
-        # which is never a key block of a cross tile).
-        self.kmean = k.mean(dim=-2)  # (n_blk, BH, D)
-        self.krad = (k - self.kmean.unsqueeze(-2)).norm(dim=-1).amax(dim=-1)  # (n_blk, BH)
         self.phi = phi
         self.phi_min = phi.amin(dim=-1)  # (n_blk, BH)
         self.phi_q = phi[qb0:]
@@ -118,10 +110,7 @@ class TileBound:
 
         fpa needs p_min (len, BH, bs) of the query blocks, s_min (len, BH, bs) of the key blocks and
         m_run (len, BH), the minimum strictly between them (+inf when adjacent)."""
-        qn = self.qn[qb]  # (len, BH, bs)
-        centred = torch.matmul(self.qs[qb], self.kmean[kb].unsqueeze(-1)).squeeze(-1)
-        centred += qn * self.krad[kb].unsqueeze(-1)
-        lead = torch.minimum(qn * self.kmax[kb].unsqueeze(-1), centred) + self.neg_ref[qb]
+        lead = self.qn[qb] * self.kmax[kb].unsqueeze(-1) + self.neg_ref[qb]  # (len, BH, bs)
         if self.range_min:
             c = torch.minimum(s_min, m_run.unsqueeze(-1)).sub_(self.phi[kb]).amax(dim=-1)  # (len, BH)
             bias = torch.minimum(p_min - self.phi_min[kb].unsqueeze(-1), c.unsqueeze(-1))
