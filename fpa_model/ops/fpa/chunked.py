@@ -1046,7 +1046,11 @@ class _Step(NamedTuple):
 
     @property
     def n(self) -> int:
-        return self.qt.stop - self.qt.start if isinstance(self.qt, slice) else self.qt.numel()
+        return (
+            len(range(self.qt.start, self.qt.stop, self.qt.step or 1))
+            if isinstance(self.qt, slice)
+            else self.qt.numel()
+        )
 
 
 # Kept tiles in runs of at least this many consecutive flat tiles are taken as slices (views, accumulated
@@ -1126,8 +1130,25 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
                 for c in range(q0, q0 + b - a, step):
                     e = min(c + step, q0 + b - a)
                     yield _Step(slice(c, e), slice(c + shift, e + shift), flag)
-            if loose:
-                qt = torch.cat(loose)
+            if not loose:
+                continue
+            # The rest, lane by lane: a head that keeps a run of consecutive query blocks (while the other
+            # heads skip them) is a run with stride BH in the flat order, a view as well.
+            qt = torch.cat(loose)
+            qt = qt[torch.argsort((qt % bh) * (plan.n_blk * bh) + qt, stable=True)]
+            cuts = [0, *((qt[1:] - qt[:-1] != bh).nonzero().flatten() + 1).tolist(), qt.numel()]
+            starts = qt[cuts[:-1]].tolist()
+            gathered = []
+            for a, b, q0 in zip(cuts[:-1], cuts[1:], starts):
+                if b - a < _MIN_RUN:
+                    gathered.append(qt[a:b])
+                    continue
+                for c in range(a, b, step):
+                    e = min(c + step, b)
+                    lo, hi = q0 + (c - a) * bh, q0 + (e - 1 - a) * bh + 1
+                    yield _Step(slice(lo, hi, bh), slice(lo + shift, hi + shift, bh), flag)
+            if gathered:
+                qt = torch.cat(gathered)
                 for a in range(0, qt.numel(), step):
                     yield _Step(qt[a : a + step], qt[a : a + step] + shift, flag)
 
@@ -1247,7 +1268,7 @@ def _backward_skip(dout, q, k, v, phi, out, lse, kind: AttentionKind, scale, pla
                 _add_at(dphiq_f, qt, dphi_q)
                 _add_at(dphi_f, kt, dphi_k)
                 # The between-blocks min of each tile: its gradient lands on its argmin (lane qt % BH).
-                qt_i = torch.arange(qt.start, qt.stop, device=dm.device) if runs else qt
+                qt_i = torch.arange(qt.start, qt.stop, qt.step or 1, device=dm.device) if runs else qt
                 dphi_m.view(-1).index_add_(0, (qt_i % bh) * (plan.n_blk * bs) + _f(field.m_arg)[qt], dm)
     return _grads_from_blocks(dq, dk, dv, dphi, dphi_m, q.shape[:2], plan, scale)
 
