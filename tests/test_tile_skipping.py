@@ -289,6 +289,37 @@ def test_slices_and_gathered_tiles_give_the_same_result(monkeypatch, min_run):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_a_head_keeping_a_stretch_the_others_skip_goes_as_a_strided_view(monkeypatch):
+    """Head 0 keeps every tile (a weak field), head 1 skips most (deep dips): the kept tiles alternate
+    lanes in the flat (block, head) order, so they come as runs of stride B*H, and the result is the one of
+    gathering every tile."""
+    import fpa_model.ops.fpa.chunked as chunked
+
+    q, k, v, gen = _inputs(12, b=1, h=2)
+    phi = torch.stack([0.01 * torch.randn(128, generator=gen, dtype=F64).cumsum(-1),
+                       _sawtooth_walk(1, 1, 128, gen, depth=40.0, period=16)[0, 0]])[None]  # fmt: skip
+    steps = []
+    real = chunked._skip_steps
+
+    def spy(*a, **kw):
+        for st in real(*a, **kw):
+            steps.append(st.qt.step if isinstance(st.qt, slice) else "gathered")
+            yield st
+
+    monkeypatch.setattr(chunked, "_skip_steps", spy)
+
+    def run():
+        return _grads(lambda *a: chunked_fpa_attention(*a, block_size=8, skip_epsilon=1e-3), (q, k, v, phi))
+
+    out, grads = run()
+    assert 2 in steps  # strided runs (stride B*H = 2) were taken
+    monkeypatch.setattr(chunked, "_MIN_RUN", 10**9)
+    out_g, grads_g = run()
+    torch.testing.assert_close(out, out_g, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, grads_g):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_a_model_with_skipping_trains_the_same_loss_and_gradients_within_epsilon():
     """model.attention.skip_epsilon reaches every layer: most tiles go and the loss and its gradients move
     by no more than the guarantee allows."""

@@ -1054,9 +1054,10 @@ class _Step(NamedTuple):
 
 
 # Kept tiles in runs of at least this many consecutive flat tiles are taken as slices (views, accumulated
-# in place, as the unskipped path does); shorter runs are gathered by index. Gathering copies q, k, v of
-# each tile, about 30% of its matmuls' time on CPU, so a diagonal with nothing skipped costs no more than
-# the unskipped path.
+# in place, as the unskipped path does); of the rest, runs of as many in one head (flat stride B*H: heads
+# that keep a stretch of the diagonal while the others skip it) are strided slices, and what remains is
+# gathered by index. Gathering copies q, k, v of each tile, about 30% of its matmuls' time on CPU, so a
+# diagonal with nothing skipped costs no more than the unskipped path.
 _MIN_RUN = 4
 
 
