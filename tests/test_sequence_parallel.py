@@ -402,7 +402,9 @@ def _skipping_sp(rank: int, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, extra: list[str]) -> None:
+def _worker(
+    rank: int, world: int, init_file: str, out_dir: str, extra: list[str], cases: bool = True
+) -> None:
     torch.set_num_threads(1)
     # Tiles of exactly BLOCK query rows (short chunks would otherwise be one tile): exercises the folding
     # of the query prefix into M and the split of diagonal pairs.
@@ -413,13 +415,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, extra: list[str
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     results: dict[str, object] = {}
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(CASES if cases else ()):
         cid = _case_id(world, *case)
         try:
             results[cid] = _run_case(rank, world, *case, seed=100 + i)
         except Exception:  # recorded per case so one failure does not hide the others
             results[cid] = {"error": traceback.format_exc(limit=4)}
-    if world == 4:
+    if world == 4 and cases:
         results["groups"] = _check_groups(rank, world)
     for name in extra:
         try:
@@ -441,20 +443,30 @@ def _spawn(world: int, tmp_root: Path, extra: tuple[str, ...] = ()) -> list[dict
         d = tmp_root / f"w{world}"
         d.mkdir(parents=True, exist_ok=True)
         os.environ["OMP_NUM_THREADS"] = "1"
-        mp.spawn(_worker, args=(world, str(d / "rdzv"), str(d), list(extra)), nprocs=world, join=True)
+        args = (world, str(d / "rdzv"), str(d), list(extra), not _PLAN["triton_only"])
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
         _CACHE[world] = [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
     return _CACHE[world]
 
 
+# Set by the tmp_root fixture: only `triton` tests of this module were selected (make test-triton36), so
+# the spawns compute only what those read.
+_PLAN = {"triton_only": False}
+
+
 def _extras(world: int) -> tuple[str, ...]:
     """The loss, Triton-ring and GPT checks ride on the 2-rank spawn (one spawn, not two)."""
+    if _PLAN["triton_only"]:
+        return ("_triton_ring", "_gpt_sp_step") if world == 2 else ()
     if world != 2:
         return ("_gpt_kv_shift_step", "_skipping_sp")
     return ("_sp_loss_check", "_triton_ring", "_gpt_sp_step", "_gpt_kv_shift_step", "_skipping_sp")
 
 
 @pytest.fixture(scope="module")
-def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tmp_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    mine = [item for item in request.session.items if item.path.name == Path(__file__).name]
+    _PLAN["triton_only"] = bool(mine) and all(item.get_closest_marker("triton") for item in mine)
     return tmp_path_factory.mktemp("cp")
 
 
