@@ -398,9 +398,11 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group) if world > 1 else None
         dk = k.shape[-1]
         # Tile skipping: one decision per (query chunk, key chunk, b, h), made here and replayed by the
-        # backward; a pair skipped for every (b, h) is not computed, a partly skipped one is masked.
+        # backward; a pair skipped for every (b, h) is not computed, a partly skipped one is masked
+        # (`partial`: its mask of the kept (b, h)).
         skip_eps = eps if kind.has_field else None
-        decided: dict[tuple[int, int], Tensor] = {}
+        skipped: set[tuple[int, int]] = set()
+        partial: dict[tuple[int, int], Tensor] = {}
         t_total = q.shape[-2] * world
         # K and V travel as one tensor (one message per hop), phi beside it in float32.
         travel = [torch.cat([k, v], dim=-1)] + ([phi] if phi is not None else [])
@@ -419,14 +421,14 @@ class _RingAttention(torch.autograd.Function):
                             qs[ia], k.split(c, dim=-2)[ia], phis_q[ia], kk[ib], pk[ib], m, kind, scale,
                             t_total, skip_eps,
                         )  # fmt: skip
-                        decided[(ia, b)] = keep
-                        if skipping.counting():
-                            n_keep = int(keep.sum())
-                            skipping.record(n_keep, keep.numel() - n_keep)
+                        skipping.record_decisions(keep)
                         if not bool(keep.any()):
+                            skipped.add((ia, b))
                             continue
                         if bool(keep.all()):
                             keep = None
+                        else:
+                            partial[(ia, b)] = keep
                     for s, e in _tiles(impl, c, rows):
                         qt = qs[ia][..., s:e, :]
                         if b == a:
@@ -470,7 +472,7 @@ class _RingAttention(torch.autograd.Function):
         argmin = fld.argmin if fld is not None else None
         ctx.save_for_backward(q, k, v, phi, out_t, lse, minima, argmin)
         ctx.meta = (kind, field, layout, group, scale, rows, impl, u is not None)
-        ctx.decided = decided
+        ctx.skipped, ctx.partial = skipped, partial
         return out_t
 
     @staticmethod
@@ -517,11 +519,9 @@ class _RingAttention(torch.autograd.Function):
                     if b > a:
                         continue
                     m, m_at = _between_min(minima, b, a) if kind.range_min else (None, None)
-                    keep = ctx.decided.get((ia, b)) if b < a else None  # the forward's decision
-                    if keep is not None:
-                        if not bool(keep.any()):
-                            continue
-                        keep = None if bool(keep.all()) else keep
+                    if (ia, b) in ctx.skipped:  # the forward's decisions
+                        continue
+                    keep = ctx.partial.get((ia, b))
                     for s, e in _tiles(impl, c, rows):
                         args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
                         tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}

@@ -1068,11 +1068,12 @@ def _add_at(dst: torch.Tensor, idx: torch.Tensor | slice, src: torch.Tensor) -> 
         dst.index_add_(0, idx, src)
 
 
-def _decisions(plan: _Plan, field, bound, segb):
+def _decisions(plan: _Plan, field, bound, segb, count: bool = False):
     """(d, qb, qi, kb, keep, visible) for each block diagonal d = 1, 2, ... in order: query blocks qb (qi into
     the query blocks), key blocks kb = qb - d, keep (len, BH) the visible tiles the bound cannot rule out
     and visible (len, BH) the tiles with a pair in one document (None without documents). `field` is
-    advanced to each diagonal as it is reached. Stops at the first diagonal with no visible tile."""
+    advanced to each diagonal as it is reached. Stops at the first diagonal with no visible tile.
+    count: add the kept and skipped tiles to skipping.skip_counts."""
     dev = bound.qn.device
     first = last = None
     if segb is not None:
@@ -1091,6 +1092,8 @@ def _decisions(plan: _Plan, field, bound, segb):
             keep = bound.keep(qi, kb)
         if visible is not None:
             keep &= visible
+        if count:
+            skipping.record_decisions(keep, visible)
         yield d, qb, qi, kb, keep, visible
 
 
@@ -1103,11 +1106,7 @@ def _skip_steps(x: _Blocks, plan: _Plan, field, bound, segb, count: bool = False
     first = last = None
     if segb is not None:
         first, last = segb[..., 0], segb[..., -1]  # (n_blk, BH)
-    for d, qb, qi, kb, keep, visible in _decisions(plan, field, bound, segb):
-        if count and skipping.counting():
-            n_vis = keep.numel() if visible is None else int(visible.sum())
-            n_keep = int(keep.sum())
-            skipping.record(n_keep, n_vis - n_keep)
+    for d, qb, qi, kb, keep, _visible in _decisions(plan, field, bound, segb, count):
         partial = None if segb is None else first[kb] != last[qb]
         shift = (plan.qb0 - d) * bh  # kt = qt + shift on this diagonal
         for flag in (False, True):
@@ -1305,13 +1304,9 @@ def tile_keep_map(
         )  # fmt: skip
         field = _Field(phib, plan) if kind.range_min else None
         keep_map = torch.ones(plan.bh, plan.n_blk, plan.n_blk, dtype=torch.uint8, device=q.device)
-        for _d, qb, _qi, kb, keep, visible in _decisions(plan, field, bound, segb):
+        for _d, qb, _qi, kb, keep, visible in _decisions(plan, field, bound, segb, count):
             kept = keep if visible is None else keep | ~visible
             keep_map[:, qb, kb] = kept.t().to(torch.uint8)
-            if count and skipping.counting():  # int() syncs a GPU: only when someone counts
-                n_vis = keep.numel() if visible is None else int(visible.sum())
-                n_keep = int(keep.sum())
-                skipping.record(n_keep, n_vis - n_keep)
     return keep_map
 
 

@@ -71,15 +71,20 @@ def skip_counts() -> Iterator[SkipCounts]:
         _ACTIVE.remove(counts)
 
 
-def counting() -> bool:
-    """Whether a skip_counts() block is open (callers skip the host syncs of counting otherwise)."""
-    return bool(_ACTIVE)
-
-
 def record(kept: int, skipped: int) -> None:
     for c in _ACTIVE:
         c.kept += kept
         c.skipped += skipped
+
+
+def record_decisions(keep: torch.Tensor, visible: torch.Tensor | None = None) -> None:
+    """Count one batch of decisions: keep (bool) the tiles computed among the visible ones (visible None:
+    every tile of keep is visible). Nothing happens, and no device syncs, unless skip_counts() is open."""
+    if not _ACTIVE:
+        return
+    n_vis = keep.numel() if visible is None else int(visible.sum())
+    n_keep = int(keep.sum())
+    record(n_keep, n_vis - n_keep)
 
 
 class TileBound:
@@ -119,4 +124,12 @@ class TileBound:
         return ~((lead + bias).amax(dim=-1) < -self.tau)  # NaN keeps its tile (and propagates)
 
 
-__all__ = ["SkipCounts", "TileBound", "check_skip_epsilon", "counting", "record", "skip_counts", "skip_tau"]
+__all__ = [
+    "SkipCounts",
+    "TileBound",
+    "check_skip_epsilon",
+    "record",
+    "record_decisions",
+    "skip_counts",
+    "skip_tau",
+]
