@@ -187,6 +187,15 @@ def _near_logits(
 
 
 @triton.jit
+def _kept(KEEP, offset, SKIPPING: tl.constexpr):
+    """Whether a far tile is computed: its cell's entry KEEP[offset] of the tile-skipping map, or always
+    without the switch (no load is compiled then)."""
+    if SKIPPING:
+        return tl.load(KEEP + offset) != 0
+    return True
+
+
+@triton.jit
 def _doc_mask(s, seg_rows, seg_cols):
     """Pairs in different documents get -inf (rows and columns of the tile, either way round)."""
     return tl.where(seg_rows[:, None] == seg_cols[None, :], s, float("-inf"))
@@ -287,11 +296,7 @@ def _fwd_kernel(
     if SKIPPING:
         KEEP += pid_bh * NC * NC + (m0 >> CELL_LG) * NC
     for n0 in range(n_lo, d0, BLOCK_N):
-        if SKIPPING:  # noqa: SIM108 (a constexpr branch: without the switch the load is not compiled)
-            run = tl.load(KEEP + (n0 >> CELL_LG)) != 0
-        else:
-            run = True
-        if run:
+        if _kept(KEEP, n0 >> CELL_LG, SKIPPING):
             offs_n = n0 + ln
             all_n = offs_n >= 0
             k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
@@ -433,11 +438,7 @@ def _bwd_dq_kernel(
             tl.store(ROWR + tl.maximum(cur, 0) * T + offs_m, racc, mask=m_ok & (cur != lev) & (cur >= 0))
             racc = tl.where(cur != lev, 0.0, racc)
             cur = tl.zeros_like(cur) + lev
-        if SKIPPING:  # noqa: SIM108 (a constexpr branch: without the switch the load is not compiled)
-            run = tl.load(KEEP + (n0 >> CELL_LG)) != 0
-        else:
-            run = True
-        if run:
+        if _kept(KEEP, n0 >> CELL_LG, SKIPPING):
             offs_n = n0 + ln
             all_n = offs_n >= 0
             k = _load_rows(K, offs_n, stride_kt, offs_d, all_n, d_ok, LOWP)
@@ -578,11 +579,7 @@ def _bwd_dkv_kernel(
             tl.store(COLR + tl.maximum(cur, 0) * T + offs_n, cacc, mask=n_ok & (cur != lev) & (cur >= 0))
             cacc = tl.where(cur != lev, 0.0, cacc)
             cur = tl.zeros_like(cur) + lev
-        if SKIPPING:  # noqa: SIM108 (a constexpr branch: without the switch the load is not compiled)
-            run = tl.load(KEEP + (m0 >> CELL_LG) * NC) != 0
-        else:
-            run = True
-        if run:
+        if _kept(KEEP, (m0 >> CELL_LG) * NC, SKIPPING):
             offs_m = m0 + lm
             m_ok = offs_m < T
             q = _load_rows(Q, offs_m, stride_qt, offs_d, m_ok, d_ok, LOWP)
