@@ -19,20 +19,24 @@ already applied logsigmoid, so both are a plain cumulative sum here) or the fiel
 totals (-> exclusive scan -> each chunk's global offset of phi), the chunk minima and their argmin
 positions (-> M, the min over every chunk strictly between a key chunk and a query chunk).
 
-Forward. A ring (batch_isend_irecv, the next step's K/V/phi in flight while the current one is computed)
-brings every rank's K, V and phi to every other rank. A query chunk a against an earlier key chunk b uses
-b_ij = min(P_i, S_j, M(b+1..a-1)) - phi_j (fpa), phi_i - phi_j (fox) or 0 (softmax), computed by a
-cross-chunk block; same-chunk pairs use a diagonal block; the partial (out, lse) are merged by
-log-sum-exp. Nothing here is a second attention implementation: the per-pair math is one of two sets of
-block functions with the same signatures (argument `impl`): the Triton kernels of
-fpa_model.ops.fpa.triton_kernel for CUDA tensors ("auto"), the PyTorch blocks of fpa_model.ops.fpa.chunked
-everywhere else. The ring only picks the pairs and their M, merges the results and routes the gradients.
+Forward. The pairing of a ring: at step s each rank sends to rank + s and receives from rank - s
+(batch_isend_irecv, the next step's messages in flight while the current one is computed), each key chunk
+straight from its owner and only to a rank with a query chunk that uses it (later in the sequence and,
+with tile skipping, not skipped for every (b, h): _decide, _Plan). A query chunk a against an earlier key
+chunk b uses b_ij = min(P_i, S_j, M(b+1..a-1)) - phi_j (fpa), phi_i - phi_j (fox) or 0 (softmax),
+computed by a cross-chunk block; same-chunk pairs use a diagonal block; the partial (out, lse) are merged
+by log-sum-exp. Nothing here is a second attention implementation: the per-pair math is one of two sets
+of block functions with the same signatures (argument `impl`): the Triton kernels of
+fpa_model.ops.fpa.triton_kernel for CUDA tensors ("auto"), the PyTorch blocks of
+fpa_model.ops.fpa.chunked everywhere else. The ring only picks the pairs and their M, merges the results
+and routes the gradients.
 
-Backward. K, V, phi travel the ring again, together with accumulators dK, dV, dphi_K that end up back at
-the owner after W hops. The gradient that reaches M (one scalar per pair, batch and head) is added to a
-(chunks, B, H) buffer at the chunk holding M's argmin; one all-reduce of that buffer (packed with the
-per-chunk totals of dphi, which the reverse scan of walk/gate fields needs) returns it to the rank that
-owns the argmin token. du = reverse cumsum of dphi inside the chunk + the sum of dphi over all later chunks.
+Backward. The same chunks come again; each receiver's shares of their dK, dV, dphi_K go back to the
+owner, which adds them in step order. The gradient that reaches M (one scalar per pair, batch and head)
+is added to a (chunks, B, H) buffer at the chunk holding M's argmin; one all-reduce of that buffer
+(packed with the per-chunk totals of dphi, which the reverse scan of walk/gate fields needs) returns it
+to the rank that owns the argmin token. du = reverse cumsum of dphi inside the chunk + the sum of dphi
+over all later chunks.
 
 Tiles. With the chunked blocks a chunk pair is processed `block_size` query rows at a time (the workspace
 is block_size x chunk per batch and head, never chunk x chunk): rows [s, e) of a query chunk see P
@@ -49,8 +53,9 @@ CPU, NCCL on GPU). The group's ranks must all pass tensors of the same shape.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -149,32 +154,60 @@ def _check_layout(layout: str) -> None:
 # Ring communication
 
 
-class _Ring:
-    """The ranks of a group arranged in a ring: send to rank+1, receive from rank-1."""
+@dataclass
+class RingTraffic:
+    """What this rank sent to its peers in the ring's passes: key chunks (K|V, with phi) and their
+    gradient shares, one message each, and their bytes."""
+
+    chunks: int = 0
+    bytes: int = 0
+
+
+_TRAFFIC: list[RingTraffic] = []
+
+
+@contextlib.contextmanager
+def ring_traffic() -> Iterator[RingTraffic]:
+    """Counts the chunk messages this rank sends in the ring's passes (forward and backward) in the block."""
+    counts = RingTraffic()
+    _TRAFFIC.append(counts)
+    try:
+        yield counts
+    finally:
+        _TRAFFIC.remove(counts)
+
+
+class _Exchange:
+    """Point-to-point messages of one pass. At step s every rank sends its own chunks to the rank s places
+    after it and receives from the rank s places before it (backward gradients go the other way): the
+    pairing of a ring, but each message goes straight from the owner of the chunks to a rank that uses
+    them, so a chunk nobody there needs (causally later, or skipped) is not sent at all."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # P2P ops address peers by global rank.
-        self.next = self._global((self.rank + 1) % self.world)
-        self.prev = self._global((self.rank - 1) % self.world)
 
     def _global(self, group_rank: int) -> int:
+        group_rank %= self.world
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def start(self, tensors: Sequence[Tensor], tag: int = 0) -> tuple[list[Tensor], list[Any]]:
-        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous.
+    def start(
+        self, to: int, send: Sequence[Tensor], frm: int, recv_like: Sequence[Tensor], tag: int, chunks: int
+    ) -> tuple[list[Tensor], list[Any]]:
+        """Post sends of `send` (the tensors of `chunks` chunks) to group rank `to` and receives of tensors
+        shaped as `recv_like` from `frm`.
 
-        Exchanges in flight at the same time (K/V and gradient accumulators) use distinct tags.
-        """
-        tensors = [t.contiguous() for t in tensors]  # p2p needs dense buffers (q/k/v are permuted views)
-        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        ops = []
-        for t, r in zip(tensors, recv):
-            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, tag))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag))
-        return recv, dist.batch_isend_irecv(ops)
+        Both sides post the same step's messages in the same order; distinct tags keep the passes that are
+        in flight together (K/V and gradient shares) apart."""
+        send = [t.contiguous() for t in send]  # p2p needs dense buffers (q/k/v are permuted views)
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in recv_like]
+        ops = [dist.P2POp(dist.isend, t, self._global(to), self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, r, self._global(frm), self.group, tag) for r in recv]
+        for c in _TRAFFIC:
+            c.chunks += chunks
+            c.bytes += sum(t.numel() * t.element_size() for t in send)
+        return recv, (dist.batch_isend_irecv(ops) if ops else [])
 
     @staticmethod
     def wait(works: list[Any]) -> None:
@@ -329,31 +362,126 @@ def _tile_m(
     return torch.where(m_wins, m, pref), m_wins
 
 
-def _pair_keep(
-    q_a: Tensor, k_a: Tensor, phi_a: Tensor | None, k_b: Tensor, phi_b: Tensor | None, m: Tensor | None,
-    kind: AttentionKind, scale: float, t: int, eps: float,
-) -> Tensor:  # fmt: skip
-    """(B, H) bool: the (b, h) of the chunk pair (query chunk a, earlier key chunk b) that tile skipping
-    cannot rule out. skipping.TileBound with query chunk a as one block and key chunk b as one block (M the
-    minimum over the chunks between them), so the ring decides as the chunked path does at a block size of
-    one chunk over the whole sequence of t tokens (each skipped key weighs < eps / t in its row)."""
-    b, h, c, d = q_a.shape
-    blocks = lambda x: x.detach().float().reshape(1, b * h, c, *x.shape[3:])  # noqa: E731
-    kb = torch.cat([blocks(k_b), blocks(k_a)])  # key block 0: chunk b; 1: chunk a (the diagonal logits)
-    phib = None
-    if kind.has_field:
-        phib = torch.cat([blocks(phi_b[..., None]), blocks(phi_a[..., None])])[..., 0]
-    bound = skipping.TileBound(
-        blocks(q_a) * scale, kb, phib, range_min=kind.range_min, qb0=1, front=0, back=0, tk=t, eps=eps
-    )  # fmt: skip
-    qb = torch.zeros(1, dtype=torch.long, device=q_a.device)
-    if kind.range_min:
-        p_min = chunked.prefix_min(phib[1:])[0]
-        s_min = chunked.suffix_min(phib[:1])[0]
-        keep = bound.keep(qb, qb, p_min, s_min, m.detach().float().reshape(1, b * h))
-    else:
-        keep = bound.keep(qb, qb)
-    return keep.view(b, h)
+def _key_summaries(
+    k: Tensor, fld: _Field, ids: tuple[int, ...], kind: AttentionKind, group: Any, world: int, layout: str
+) -> Tensor:
+    """(N, 2 + N, B, H) float32, for every chunk b of the sequence: max |k| and min phi over b and, fpa
+    only, skipping.key_reach of b for each query chunk a (M strictly between them; read only for a > b).
+    The key side of the bound, computed by b's owner and all-gathered, so that every rank decides its
+    chunk pairs before any keys travel (and does not fetch the keys it skips)."""
+    n_chunks = num_chunks(world, layout)
+    c = k.shape[-2] // len(ids)
+    rows = []
+    for ib, b in enumerate(ids):
+        kb = k[..., ib * c : (ib + 1) * c, :].detach().float()
+        pb = fld.phi[..., ib * c : (ib + 1) * c]
+        parts = [kb.norm(dim=-1).amax(dim=-1), pb.amin(dim=-1)]
+        if kind.range_min:
+            s_min = chunked.suffix_min(pb)[0]
+            between = (_between_min(fld.minima, b, a)[0] for a in range(n_chunks))
+            parts += [skipping.key_reach(s_min, m, pb) for m in between]
+        else:
+            parts += [torch.zeros_like(parts[1])] * n_chunks
+        rows.append(torch.stack(parts))
+    return _all_gather_chunks(torch.stack(rows), group, world, layout)
+
+
+@dataclass
+class _Decisions:
+    """Which chunk pairs this rank computes: `skipped` (query chunk index ia, key chunk b) pairs left out for
+    every (b, h), `partial` masks of the kept (b, h) of the others that skipping thinned, and `need` (N, N)
+    bool over the whole sequence, need[a, b]: query chunk a uses some keys of chunk b (same on every rank)."""
+
+    skipped: set[tuple[int, int]]
+    partial: dict[tuple[int, int], Tensor]
+    need: Tensor
+
+
+def _causal_need(n_chunks: int) -> Tensor:
+    return torch.ones(n_chunks, n_chunks, dtype=torch.bool).tril(-1)
+
+
+def _decide(
+    q: Tensor, k: Tensor, fld: _Field | None, ids: tuple[int, ...], kind: AttentionKind, scale: float,
+    eps: float | None, group: Any, world: int, layout: str,
+) -> _Decisions:  # fmt: skip
+    """The ring's tile skipping: one decision per (query chunk a, earlier key chunk b, b, h), the chunked
+    path's at a block size of one chunk over the whole sequence of T tokens (skipping.TileBound: each
+    skipped key weighs < eps / T in its row). No skipping: every causal pair is needed."""
+    n_chunks = num_chunks(world, layout)
+    if eps is None or fld is None:
+        return _Decisions(set(), {}, _causal_need(n_chunks))
+    summary = _key_summaries(k, fld, ids, kind, group, world, layout)
+    tau = skipping.skip_tau(q.shape[-2] * world, eps)
+    c = q.shape[-2] // len(ids)
+    skipped: set[tuple[int, int]] = set()
+    partial: dict[tuple[int, int], Tensor] = {}
+    mine = torch.zeros(len(ids), n_chunks, dtype=torch.int32)
+    for ia, a in enumerate(ids):
+        sl = slice(ia * c, (ia + 1) * c)
+        qa = q[..., sl, :].detach().float() * scale
+        qn, neg_ref = qa.norm(dim=-1), -(qa * k[..., sl, :].detach().float()).sum(dim=-1)
+        pa = fld.phi[..., sl]
+        q_bias = chunked.prefix_min(pa)[0] if kind.range_min else pa
+        for b in range(a):
+            reach = summary[b, 2 + a] if kind.range_min else None
+            keep = skipping.bound_keep(qn, neg_ref, q_bias, summary[b, 0], summary[b, 1], reach, tau)
+            skipping.record_decisions(keep)
+            if not bool(keep.any()):
+                skipped.add((ia, b))
+                continue
+            mine[ia, b] = 1
+            if not bool(keep.all()):
+                partial[(ia, b)] = keep
+    need = _all_gather_chunks(mine.to(q.device), group, world, layout).bool().cpu()
+    return _Decisions(skipped, partial, need)
+
+
+class _Plan:
+    """Per step s of a pass, the indices (in the sender's chunk order) of the chunks this rank receives
+    from rank - s (`recv`) and sends to rank + s (`send`): those a query chunk there needs."""
+
+    def __init__(self, need: Tensor, rank: int, world: int, layout: str) -> None:
+        ids = chunk_ids(rank, world, layout)
+
+        def needed(users: tuple[int, ...], b: int) -> bool:
+            return any(bool(need[a, b]) for a in users)
+
+        self.recv = [
+            [ib for ib, b in enumerate(chunk_ids((rank - s) % world, world, layout)) if needed(ids, b)]
+            for s in range(world)
+        ]
+        self.send = [
+            [ib for ib, b in enumerate(ids) if needed(chunk_ids((rank + s) % world, world, layout), b)]
+            for s in range(world)
+        ]
+
+
+def _post_keys(
+    ex: _Exchange | None, plan: _Plan, step: int, kv: list[Tensor], phi: list[Tensor] | None
+) -> tuple[list[Tensor], list[Any]] | None:
+    """Step `step`'s K|V (and phi) messages: this rank's chunks that rank + step needs, out; the chunks of
+    rank - step that this rank needs, in (K|V of each, then phi of each)."""
+    if ex is None or step >= ex.world:
+        return None
+    out, n_in = plan.send[step], len(plan.recv[step])
+    send = [kv[i] for i in out] + ([phi[i] for i in out] if phi is not None else [])
+    like = [kv[0]] * n_in + ([phi[0]] * n_in if phi is not None else [])
+    return ex.start(ex.rank + step, send, ex.rank - step, like, tag=step, chunks=len(out))
+
+
+def _arrived(
+    got: list[Tensor], ibs: list[int], n: int, dk: int, has_field: bool
+) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]]:
+    """K, V, phi per chunk index of the sender (None: not sent, this rank does not need it), dense."""
+    kk: list[Tensor | None] = [None] * n
+    vv: list[Tensor | None] = [None] * n
+    pk: list[Tensor | None] = [None] * n
+    for j, ib in enumerate(ibs):
+        kk[ib], vv[ib] = got[j][..., :dk].contiguous(), got[j][..., dk:].contiguous()
+        if has_field:
+            pk[ib] = got[len(ibs) + j]
+    return kk, vv, pk
 
 
 def _keep_only(x: Tensor | None, keep: Tensor) -> Tensor | None:
@@ -395,40 +523,33 @@ class _RingAttention(torch.autograd.Function):
         outs, lses = out.split(c, dim=-2), lse.split(c, dim=-1)  # views, filled in place
         no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind.range_min else None  # adjacent
 
-        ring = _Ring(group) if world > 1 else None
         dk = k.shape[-1]
-        # Tile skipping: one decision per (query chunk, key chunk, b, h), made here and replayed by the
-        # backward; a pair skipped for every (b, h) is not computed, a partly skipped one is masked
-        # (`partial`: its mask of the kept (b, h)).
-        skip_eps = eps if kind.has_field else None
-        skipped: set[tuple[int, int]] = set()
-        partial: dict[tuple[int, int], Tensor] = {}
-        t_total = q.shape[-2] * world
-        # K and V travel as one tensor (one message per hop), phi beside it in float32.
-        travel = [torch.cat([k, v], dim=-1)] + ([phi] if phi is not None else [])
+        # Tile skipping: one decision per (query chunk, key chunk, b, h), made before any keys travel and
+        # replayed by the backward; a pair skipped for every (b, h) is neither fetched nor computed, a
+        # partly skipped one is masked (`partial`: its mask of the kept (b, h)).
+        dec = _decide(q, k, fld, ids, kind, scale, eps if kind.has_field else None, group, world, layout)
+        plan = _Plan(dec.need, rank, world, layout)
+        ex = _Exchange(group) if world > 1 else None
+        # K and V of a chunk travel as one tensor (one message), phi beside it in float32.
+        kv = torch.cat([k, v], dim=-1)
+        kv_own = list(kv.split(c, dim=-2))
+        phi_own = list(phi.split(c, dim=-1)) if phi is not None else None
+        pending = _post_keys(ex, plan, 1, kv_own, phi_own)
         for step in range(world):
             src = (rank - step) % world
-            pending = ring.start(travel) if ring is not None and step < world - 1 else None
-            kk, vv, pk = _chunks(travel, c, n_local, dk)
+            if step == 0:
+                kk, vv, pk = _chunks([kv] + ([phi] if phi is not None else []), c, n_local, dk)
+            else:
+                nxt = _post_keys(ex, plan, step + 1, kv_own, phi_own)  # in flight during this step
+                _Exchange.wait(pending[1])
+                kk, vv, pk = _arrived(pending[0], plan.recv[step], n_local, dk, phi is not None)
+                pending = nxt
             for ia, a in enumerate(ids):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
-                    if b > a:
+                    if b > a or (ia, b) in dec.skipped:
                         continue
                     m = _between_min(fld.minima, b, a)[0] if kind.range_min else None
-                    keep = None
-                    if skip_eps is not None and b < a:
-                        keep = _pair_keep(
-                            qs[ia], k.split(c, dim=-2)[ia], phis_q[ia], kk[ib], pk[ib], m, kind, scale,
-                            t_total, skip_eps,
-                        )  # fmt: skip
-                        skipping.record_decisions(keep)
-                        if not bool(keep.any()):
-                            skipped.add((ia, b))
-                            continue
-                        if bool(keep.all()):
-                            keep = None
-                        else:
-                            partial[(ia, b)] = keep
+                    keep = dec.partial.get((ia, b))
                     for s, e in _tiles(impl, c, rows):
                         qt = qs[ia][..., s:e, :]
                         if b == a:
@@ -463,22 +584,20 @@ class _RingAttention(torch.autograd.Function):
                         o_m, l_m = ops.merge_lse(outs[ia][..., s:e, :], lses[ia][..., s:e], o, lt)
                         outs[ia][..., s:e, :] = o_m
                         lses[ia][..., s:e] = l_m
-            if pending is not None:
-                ring.wait(pending[1])
-                travel = pending[0]
 
         out_t = out.to(q.dtype)
         minima = fld.minima if fld is not None else None
         argmin = fld.argmin if fld is not None else None
         ctx.save_for_backward(q, k, v, phi, out_t, lse, minima, argmin)
         ctx.meta = (kind, field, layout, group, scale, rows, impl, u is not None)
-        ctx.skipped, ctx.partial = skipped, partial
+        ctx.dec, ctx.plan = dec, plan
         return out_t
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, phi, out, lse, minima, argmin = ctx.saved_tensors
         kind, field, layout, group, scale, rows, impl, has_u = ctx.meta
+        dec, plan = ctx.dec, ctx.plan
         ops, blk = chunked, _block_fns(impl)
         rank, world = _group_info(group)
         ids = chunk_ids(rank, world, layout)
@@ -497,31 +616,51 @@ class _RingAttention(torch.autograd.Function):
         dm_buf = torch.zeros_like(minima) if kind.range_min else None  # (N,B,H): dM per chunk holding M
         no_m = torch.full(q.shape[:2], math.inf, device=q.device) if kind.range_min else None
 
-        ring = _Ring(group) if world > 1 else None
+        ex = _Exchange(group) if world > 1 else None
         dk, dv = k.shape[-1], v.shape[-1]
-        travel = [torch.cat([k, v], dim=-1)] + ([phi] if has_field else [])
-        # dK | dV | dphi_K of the travelling keys: each step adds its share into a fresh float32 buffer,
-        # then the share that arrived from the previous rank (in flight during the compute), and sends the
-        # sum on (one message per hop). After W hops the total is back at the owner of those keys.
-        acc_shape = (*k.shape[:-1], dk + dv + int(has_field))
-        acc_in = None
+        kv = torch.cat([k, v], dim=-1)
+        kv_own = list(kv.split(c, dim=-2))
+        phi_own = list(phi.split(c, dim=-1)) if has_field else None
+        # dK | dV | dphi_K: this rank's own keys accumulate in `acc`. At step s the keys that came from
+        # rank - s get a fresh float32 share each, sent back to their owner after the step's compute; the
+        # owner adds the shares that come back to it in step order (deterministic).
+        acc = k.new_zeros((*k.shape[:-1], dk + dv + int(has_field)), dtype=torch.float32)
+        acc_own = list(acc.split(c, dim=-2))
+        pending = _post_keys(ex, plan, 1, kv_own, phi_own)
+        shares_in = None
+
+        def add_shares(posted: tuple[int, tuple[list[Tensor], list[Any]]] | None) -> None:
+            if posted is None:
+                return
+            step, (got, works) = posted
+            _Exchange.wait(works)
+            for ib, g in zip(plan.send[step], got):
+                acc_own[ib] += g
+
         for step in range(world):
             src = (rank - step) % world
-            pending = ring.start(travel) if ring is not None and step < world - 1 else None
-            kk, vv, pk = _chunks(travel, c, n_local, dk)
-            acc = k.new_zeros(acc_shape, dtype=torch.float32)
-            # Views into acc: the in-place adds below write through.
-            gk, gv = acc[..., :dk].split(c, -2), acc[..., dk : dk + dv].split(c, -2)
-            gp = acc[..., -1].split(c, -1) if has_field else None
+            if step == 0:
+                kk, vv, pk = _chunks([kv] + ([phi] if has_field else []), c, n_local, dk)
+                shares: list[Tensor | None] = acc_own
+            else:
+                nxt = _post_keys(ex, plan, step + 1, kv_own, phi_own)
+                _Exchange.wait(pending[1])
+                kk, vv, pk = _arrived(pending[0], plan.recv[step], n_local, dk, has_field)
+                pending = nxt
+                shares = [None] * n_local
+                for ib in plan.recv[step]:
+                    shares[ib] = acc.new_zeros(acc_own[ib].shape)
+            # Views into the shares: the in-place adds below write through.
+            gk = [None if t is None else t[..., :dk] for t in shares]
+            gv = [None if t is None else t[..., dk : dk + dv] for t in shares]
+            gp = [None if t is None else t[..., -1] for t in shares] if has_field else None
             for ia, a in enumerate(ids):
                 pmin, parg = prefix[ia]
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
-                    if b > a:
+                    if b > a or (ia, b) in dec.skipped:  # the forward's decisions
                         continue
                     m, m_at = _between_min(minima, b, a) if kind.range_min else (None, None)
-                    if (ia, b) in ctx.skipped:  # the forward's decisions
-                        continue
-                    keep = ctx.partial.get((ia, b))
+                    keep = dec.partial.get((ia, b))
                     for s, e in _tiles(impl, c, rows):
                         args = (douts[ia][..., s:e, :], qs[ia][..., s:e, :])
                         tile = {"lse": lses[ia][..., s:e], "delta": deltas[ia][..., s:e]}
@@ -571,17 +710,14 @@ class _RingAttention(torch.autograd.Function):
                         if m_wins is not None:
                             dm_pref = g.dm.masked_fill(m_wins, 0.0)
                             dphis_q[ia].scatter_add_(-1, parg[..., s - 1 : s], dm_pref[..., None])
-            if ring is not None:
-                if acc_in is not None:
-                    ring.wait(acc_in[1])
-                    acc += acc_in[0][0]
-                acc_in = ring.start([acc], tag=1)
-            if pending is not None:
-                ring.wait(pending[1])
-                travel = pending[0]
-        if acc_in is not None:
-            ring.wait(acc_in[1])
-            acc = acc_in[0][0]
+            if step > 0:
+                # The shares of rank - s's keys go back to it; rank + s's shares of ours come in.
+                back = [shares[ib] for ib in plan.recv[step]]
+                like = [acc_own[ib] for ib in plan.send[step]]
+                posted = ex.start(rank - step, back, rank + step, like, tag=world + step, chunks=len(back))
+                add_shares(shares_in)
+                shares_in = (step, posted)
+        add_shares(shares_in)
 
         dk_t, dv_t = acc[..., :dk].to(k.dtype), acc[..., dk : dk + dv].to(v.dtype)
         du = None
@@ -689,8 +825,8 @@ def ring_attention(
     skip_epsilon: tile skipping (fpa_model/ops/fpa/skipping.py; kinds with a field): a (query chunk, key
     chunk, b, h) whose logits the bound rules out is left out (each row loses < skip_epsilon of its mass),
     decided as the chunked path decides at a block size of one chunk; a chunk pair left out for every
-    (b, h) is not computed. The keys still travel the whole ring. With segment_ids, the gathered keys go
-    to fpa_attention with skip_epsilon (its own blocks decide).
+    (b, h) is neither sent nor computed (ring_traffic() counts the messages). With segment_ids, the
+    gathered keys go to fpa_attention with skip_epsilon (its own blocks decide).
     """
     kind = resolve_kind(kind)
     u_or_phi = _validate(q, k, v, u_or_phi, kind, field, layout)

@@ -339,6 +339,24 @@ def _skip_inputs(field: str, seed: int, world: int, layout: str) -> dict[str, to
     return t
 
 
+def _chunks_needed(t: dict, kind: str, gate: str, c: int, eps: float, world: int, layout: str) -> int:
+    """Chunk messages of one forward pass over all ranks, from the single-process decisions at a block of
+    one chunk: key chunk b goes to each other rank with a query chunk a > b that keeps some (b, h) of it."""
+    from fpa_model.ops.fpa.chunked import tile_keep_map
+    from fpa_model.ops.fpa.kinds import resolve_kind
+
+    phi = _field_of(t["pre"], gate).cumsum(-1)
+    scale = 1 / math.sqrt(t["q"].shape[-1])
+    keep = tile_keep_map(t["q"], t["k"], phi, resolve_kind(kind), scale, c, eps).bool().any(dim=0)
+    owner = {b: r for r in range(world) for b in cp.chunk_ids(r, world, layout)}
+    return sum(
+        any(keep[a, b] for a in cp.chunk_ids(dst, world, layout) if a > b)
+        for b in owner
+        for dst in range(world)
+        if dst != owner[b]
+    )
+
+
 def _skipping_sp(rank: int, world: int) -> dict[str, dict[str, float]]:
     """skip_epsilon across ranks vs one process: the ring decides per (query chunk, key chunk, b, h) as the
     chunked path does at a block size of one chunk, Ulysses per head as fpa_attention does; outputs and
@@ -366,12 +384,12 @@ def _skipping_sp(rank: int, world: int) -> dict[str, dict[str, float]]:
         loc = {n: shard_sequence(t[n].float(), rank, world, dim=2, layout=layout) for n in t}
         lv = {n: loc[n].clone().requires_grad_() for n in ("q", "k", "v", "pre")}
         attention = ring_attention if mode == "ring" else ulysses_attention
-        with skip_counts() as counts:
+        with skip_counts() as counts, cp.ring_traffic() as traffic:
             o = attention(
                 lv["q"], lv["k"], lv["v"], _field_of(lv["pre"], gate), kind=kind, field=gate,
                 block_size=BLOCK, layout=layout, skip_epsilon=eps,
             )  # fmt: skip
-        o.backward(loc["dout"])
+            o.backward(loc["dout"])
         got = {"out": o.detach()} | {"d" + n: x.grad for n, x in lv.items()}
         errs = {
             name: float(
@@ -380,12 +398,13 @@ def _skipping_sp(rank: int, world: int) -> dict[str, dict[str, float]]:
             )
             for name, r in ref.items()
         }
-        n = torch.tensor([counts.kept, counts.skipped], dtype=torch.long)
+        n = torch.tensor([counts.kept, counts.skipped, traffic.chunks], dtype=torch.long)
         dist.all_reduce(n)
         off = (o.detach().double() - shard_sequence(full, rank, world, dim=2, layout=layout)).abs().max()
         out["-".join((mode, layout, kind, field))] = {
             **errs, "kept": int(n[0]), "skipped": int(n[1]), "ref_kept": ref_counts.kept,
             "ref_skipped": ref_counts.skipped, "vs_unskipped": float(off / t["v"].abs().max()), "eps": eps,
+            "sent": int(n[2]), "ref_sent": _chunks_needed(t, kind, gate, c, eps, world, layout),
         }  # fmt: skip
     # The model's skip_epsilon reaches the ring: its attention layers decide (and count) chunk pairs.
     from fpa_model.config import AttentionConfig, ModelConfig
@@ -578,6 +597,17 @@ def test_tile_skipping_across_ranks_matches_the_single_process_op(
             assert got["vs_unskipped"] <= 2 * got["eps"], got
         bad = {k: v for k, v in got.items() if k in ("out", "dq", "dk", "dv", "dpre") and not v < TOL}
         assert not bad, f"rank {rank}: relative errors over {TOL}: {bad}"
+        if mode == "ring":
+            # Keys travel only where a query chunk uses them: each pass (forward; backward's keys; the
+            # gradient shares going back) sends the chunks the decisions need, not the whole ring.
+            w = world
+            assert got["sent"] == 3 * got["ref_sent"], got
+            if field == "weak":  # nothing skipped: the causal need alone (a ring sends 2W(W-1) / W(W-1))
+                assert got["ref_sent"] == (3 * w * (w - 1) // 2 if layout == "zigzag" else w * (w - 1) // 2)
+            if field == "threshold":  # only chunk a-1 for query chunk a: 2 (W - 1) messages
+                assert got["ref_sent"] == 2 * (w - 1), got
+            if field == "sawtooth" and cp.num_chunks(w, layout) > 2:  # non-adjacent pairs go unsent
+                assert got["ref_sent"] < (3 * w * (w - 1) // 2 if layout == "zigzag" else w * (w - 1) // 2)
         assert r["model"]["total"] > 0  # the model's layers decided chunk pairs in the ring
 
 
@@ -617,6 +647,24 @@ def test_shard_unshard_roundtrip(world: int, layout: str) -> None:
     assert torch.equal(torch.cat(pos).sort().values, torch.arange(24))
     for r in range(world):
         assert torch.equal(parts[r][0, :, 0], x[0, pos[r], 0])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_sends_only_the_key_chunks_a_rank_uses(world: int, layout: str) -> None:
+    """Without skipping a rank gets exactly the earlier chunks of the others (none of their later ones):
+    3W(W-1)/2 messages a pass for zigzag, W(W-1)/2 for contiguous (forwarding the whole ring: 2W(W-1),
+    W(W-1)); each step's sends are the receives of the rank they go to, in the same order."""
+    n = cp.num_chunks(world, layout)
+    plans = [cp._Plan(cp._causal_need(n), r, world, layout) for r in range(world)]
+    sent = sum(len(p.send[s]) for p in plans for s in range(1, world))
+    assert sent == (3 * world * (world - 1) // 2 if layout == "zigzag" else world * (world - 1) // 2)
+    for r, p in enumerate(plans):
+        mine = cp.chunk_ids(r, world, layout)
+        for s in range(1, world):
+            assert p.send[s] == plans[(r + s) % world].recv[s]
+            src = cp.chunk_ids((r - s) % world, world, layout)
+            assert [src[i] for i in p.recv[s]] == [b for b in src if b < max(mine)]
 
 
 def test_zigzag_balances_causal_work() -> None:

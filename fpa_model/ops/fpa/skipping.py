@@ -115,19 +115,47 @@ class TileBound:
 
         fpa needs p_min (len, BH, bs) of the query blocks, s_min (len, BH, bs) of the key blocks and
         m_run (len, BH), the minimum strictly between them (+inf when adjacent)."""
-        lead = self.qn[qb] * self.kmax[kb].unsqueeze(-1) + self.neg_ref[qb]  # (len, BH, bs)
-        if self.range_min:
-            c = torch.minimum(s_min, m_run.unsqueeze(-1)).sub_(self.phi[kb]).amax(dim=-1)  # (len, BH)
-            bias = torch.minimum(p_min - self.phi_min[kb].unsqueeze(-1), c.unsqueeze(-1))
-        else:
-            bias = self.phi_q[qb] - self.phi_min[kb].unsqueeze(-1)
-        return ~((lead + bias).amax(dim=-1) < -self.tau)  # NaN keeps its tile (and propagates)
+        reach = key_reach(s_min, m_run, self.phi[kb]) if self.range_min else None
+        q_bias = p_min if self.range_min else self.phi_q[qb]
+        kmax, phi_min = self.kmax[kb], self.phi_min[kb]
+        return bound_keep(self.qn[qb], self.neg_ref[qb], q_bias, kmax, phi_min, reach, self.tau)
+
+
+def key_reach(s_min: torch.Tensor, m_run: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
+    """fpa's key side of the bias bound, max over j in J of (min(M, S_j) - phi_j): (..., bs) -> (...).
+
+    It needs only the key tile and M, so the owner of a key tile can compute it for every M that a query
+    tile will pair it with (the ring does, before any keys travel)."""
+    return torch.minimum(s_min, m_run.unsqueeze(-1)).sub_(phi_k).amax(dim=-1)
+
+
+def bound_keep(
+    qn: torch.Tensor,
+    neg_ref: torch.Tensor,
+    q_bias: torch.Tensor,
+    kmax: torch.Tensor,
+    phi_min: torch.Tensor,
+    reach: torch.Tensor | None,
+    tau: float,
+) -> torch.Tensor:
+    """The rule on the bound's parts: (...) bool, True where the tile cannot be ruled out.
+
+    Per query row (..., bs): qn = |q_i| (q times the scale), neg_ref = -q_i.k_i, q_bias = P_i (fpa) or
+    phi_i (fox). Per key tile (...): kmax = max_J |k|, phi_min = min_J phi and, fpa only, reach =
+    key_reach(...) (None for fox)."""
+    lead = qn * kmax.unsqueeze(-1) + neg_ref
+    bias = q_bias - phi_min.unsqueeze(-1)
+    if reach is not None:
+        bias = torch.minimum(bias, reach.unsqueeze(-1))
+    return ~((lead + bias).amax(dim=-1) < -tau)  # NaN keeps its tile (and propagates)
 
 
 __all__ = [
     "SkipCounts",
     "TileBound",
+    "bound_keep",
     "check_skip_epsilon",
+    "key_reach",
     "record",
     "record_decisions",
     "skip_counts",
