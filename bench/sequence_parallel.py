@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sequence_parallel.py            # T = 1024 .. 8192
     OMP_NUM_THREADS=1 .venv/bin/python bench/sequence_parallel.py --quick    # T = 512, 1024: a smoke run
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sequence_parallel.py --traffic  # the ring's messages
 
 Every measurement runs in fresh processes (gloo, one thread each): the single-process baseline is the
 chunked path (fpa_model.ops.fpa.chunked_fpa_attention) on the whole sequence, the ring is
@@ -14,8 +15,15 @@ point, i.e. the extra memory a forward + backward needs on top of its inputs, pe
 on a 2-core machine the ideal time ratio is 0.5 and the ideal memory ratio about 0.5 (each rank holds
 half of the sequence and of the workspace). Timings are only meaningful on an otherwise idle machine.
 
+--traffic counts instead of timing: the key-chunk messages (K|V with phi, and the gradient shares going
+back) that the ring's ranks send in one forward + backward, summed over the ranks (ring_traffic), at
+W = 2 and 4, both layouts, on the tile-skipping benchmark's fields with skipping off and on, against
+forwarding every chunk round the whole ring (3 passes x W(W-1) x chunks per rank). Counts do not depend
+on the machine's load.
+
 Writes docs/results/sequence_parallel/result.{json,md} (or --result-dir) with the commit, machine, command
-and the load average at the start and end; --quick and --no-result write none.
+and the load average at the start and end (--traffic: docs/results/ring_traffic/); --quick and
+--no-result write none.
 """
 
 from __future__ import annotations
@@ -38,8 +46,11 @@ import torch.multiprocessing as mp
 
 from fpa_model.config import ATTENTION_KINDS
 from fpa_model.ops.fpa.chunked import chunked_fpa_attention
+from fpa_model.ops.fpa.skipping import skip_counts
 from fpa_model.sequence_parallel import (
+    num_chunks,
     ring_attention,
+    ring_traffic,
     shard_sequence,
     ulysses_attention,
 )
@@ -138,6 +149,108 @@ def measure(world: int, variant: str, seq: int, args: argparse.Namespace) -> tup
     return float(rows[0][0]), float(rows[0][1]), [float(r[2]) for r in rows]
 
 
+TRAFFIC_FIELDS = ("fpa-walk", "fpa-sawtooth", "fox-gate")
+
+
+def _traffic_worker(
+    rank: int, world: int, layout: str, field: str, eps: float | None, args: argparse.Namespace, rdzv: str,
+    out: str,
+) -> None:  # fmt: skip
+    from bench.tile_skipping import inputs
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )  # fmt: skip
+    q, k, v, phi, dout = inputs(field, args.traffic_seq, args.heads, args.dim, seed=0)
+    loc = [shard_sequence(x, rank, world, dim=2, layout=layout) for x in (q, k, v, phi, dout)]
+    leaves = [x.clone().requires_grad_() for x in loc[:4]]
+    kind = "fox" if field.startswith("fox") else "fpa"
+    with ring_traffic() as sent, skip_counts() as tiles:
+        o = ring_attention(
+            *leaves, kind=kind, field="direct", layout=layout, block_size=args.block, skip_epsilon=eps
+        )  # fmt: skip
+        o.backward(loc[4])
+    n = torch.tensor([sent.chunks, sent.bytes, tiles.kept, tiles.skipped], dtype=torch.float64)
+    dist.all_reduce(n)
+    if rank == 0:
+        Path(out, "traffic.txt").write_text(" ".join(str(int(x)) for x in n.tolist()))
+    dist.destroy_process_group()
+
+
+def measure_traffic(world: int, layout: str, field: str, eps: float | None, args: argparse.Namespace) -> dict:
+    """One forward + backward of the ring: chunk messages and bytes sent (all ranks), pairs skipped."""
+    with tempfile.TemporaryDirectory() as d:
+        a = (world, layout, field, eps, args, str(Path(d, "rdzv")), d)
+        mp.spawn(_traffic_worker, args=a, nprocs=world, join=True)
+        chunks, nbytes, kept, skipped = map(int, Path(d, "traffic.txt").read_text().split())
+    whole = 3 * world * (world - 1) * (num_chunks(world, layout) // world)
+    return {
+        "world": world, "layout": layout, "field": field, "epsilon": eps, "chunks": chunks,
+        "mb": nbytes / 2**20, "whole_ring_chunks": whole, "chunk_ratio": chunks / whole,
+        "pairs_kept": kept, "pairs_skipped": skipped,
+    }  # fmt: skip
+
+
+def traffic_markdown(rows: list[dict], args: argparse.Namespace, prov: dict) -> str:
+    from bench.results import provenance_md
+
+    lines = [
+        "# Sequence-parallel ring: the messages it sends",
+        "",
+        "## Messages",
+        "",
+        provenance_md(prov),
+        "",
+        f"T={args.traffic_seq}, B=1, H={args.heads}, D={args.dim}, fp32, one forward + backward of "
+        "ring_attention (field values passed directly), summed over the ranks. A message is one key "
+        "chunk's K|V with its phi (forward, and again in the backward) or its gradient share going back "
+        "to the owner. Whole ring: every chunk forwarded round the ring in the three passes, "
+        "3 W(W-1) x chunks per rank. Skipping: skip_epsilon, the cross chunk pairs (x batch x head) "
+        "the ring left out.",
+        "",
+        "| W | layout | field | skipping | messages | whole ring | ratio | MB sent | pairs skipped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eps = "off" if r["epsilon"] is None else f"eps {r['epsilon']:g}"
+        total = r["pairs_kept"] + r["pairs_skipped"]
+        skipped = f"{r['pairs_skipped']} / {total}" if r["epsilon"] is not None else "-"
+        lines.append(
+            f"| {r['world']} | {r['layout']} | {r['field']} | {eps} | {r['chunks']} | "
+            f"{r['whole_ring_chunks']} | {r['chunk_ratio']:.2f} | {r['mb']:.1f} | {skipped} |"
+        )
+    return "\n".join(lines)
+
+
+def main_traffic(args: argparse.Namespace) -> None:
+    from bench.results import finish_provenance, provenance, write_result
+
+    prov = provenance()
+    rows = []
+    for world in args.worlds:
+        for layout in ("zigzag", "contiguous"):
+            for field in TRAFFIC_FIELDS:
+                for eps in (None, args.epsilon):
+                    if eps is None and field != TRAFFIC_FIELDS[0]:
+                        continue  # without skipping the messages do not depend on the field
+                    r = measure_traffic(world, layout, field, eps, args)
+                    rows.append(r)
+                    print(
+                        f"W={world} {layout:>10} {field:>13} eps={eps} messages {r['chunks']:>4} / "
+                        f"{r['whole_ring_chunks']:>4} ({r['chunk_ratio']:.2f}) {r['mb']:8.1f} MB, "
+                        f"pairs skipped {r['pairs_skipped']} of {r['pairs_kept'] + r['pairs_skipped']}",
+                        flush=True,
+                    )
+    if not args.no_result:
+        finish_provenance(prov)
+        setup = {"T": args.traffic_seq, "heads": args.heads, "dim": args.dim, "epsilon": args.epsilon}
+        data = {**setup, "rows": rows, "provenance": prov}
+        out = write_result("ring_traffic", data, traffic_markdown(rows, args, prov), args.result_dir)
+        print(f"wrote {out}/result.json and result.md")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -152,12 +265,18 @@ def main() -> None:
         help="ring layouts (zigzag, contiguous) and/or ulysses (all-to-all over heads, chunked per rank)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="T = 512, 1024 with 2 repeats")
+    p.add_argument("--traffic", action="store_true", help="count the ring's messages instead of timing")
+    p.add_argument("--traffic-seq", type=int, default=2048, help="T of the --traffic runs")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks of the --traffic runs")
+    p.add_argument("--epsilon", type=float, default=1e-3, help="skip_epsilon of the --traffic runs")
     p.add_argument("--result-dir", type=Path, default=None, help="default docs/results/sequence_parallel")
     p.add_argument("--no-result", action="store_true", help="write no result file (--quick implies it)")
     args = p.parse_args()
     if args.quick:
         args.seqs, args.repeats = [512, 1024], 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.traffic:
+        return main_traffic(args)
     from bench.results import finish_provenance, provenance, write_result
 
     prov = provenance()

@@ -414,9 +414,7 @@ def _decide(
     summary = _key_summaries(k, fld, ids, kind, group, world, layout)
     tau = skipping.skip_tau(q.shape[-2] * world, eps)
     c = q.shape[-2] // len(ids)
-    skipped: set[tuple[int, int]] = set()
-    partial: dict[tuple[int, int], Tensor] = {}
-    mine = torch.zeros(len(ids), n_chunks, dtype=torch.int32)
+    keeps: dict[tuple[int, int], Tensor] = {}
     for ia, a in enumerate(ids):
         sl = slice(ia * c, (ia + 1) * c)
         qa = q[..., sl, :].detach().float() * scale
@@ -424,16 +422,24 @@ def _decide(
         pa = fld.phi[..., sl]
         q_bias = chunked.prefix_min(pa)[0] if kind.range_min else pa
         for b in range(a):
-            reach = summary[b, 2 + a] if kind.range_min else None
-            keep = skipping.bound_keep(qn, neg_ref, q_bias, summary[b, 0], summary[b, 1], reach, tau)
-            skipping.record_decisions(keep)
-            if not bool(keep.any()):
-                skipped.add((ia, b))
+            kmax, phi_min, reach = summary[b, 0], summary[b, 1], summary[b, 2 + a] if kind.range_min else None
+            keeps[(ia, b)] = skipping.bound_keep(qn, neg_ref, q_bias, kmax, phi_min, reach, tau)
+    skipped: set[tuple[int, int]] = set()
+    partial: dict[tuple[int, int], Tensor] = {}
+    mine = torch.zeros(len(ids), n_chunks, dtype=torch.int32, device=q.device)
+    if keeps:
+        stacked = torch.stack(list(keeps.values()))  # (pairs, B, H)
+        skipping.record_decisions(stacked)
+        flat = stacked.flatten(1)
+        anys, alls = flat.any(dim=1).tolist(), flat.all(dim=1).tolist()  # one device sync for all pairs
+        for (pair, keep), kept_any, kept_all in zip(keeps.items(), anys, alls):
+            if not kept_any:
+                skipped.add(pair)
                 continue
-            mine[ia, b] = 1
-            if not bool(keep.all()):
-                partial[(ia, b)] = keep
-    need = _all_gather_chunks(mine.to(q.device), group, world, layout).bool().cpu()
+            mine[pair[0], pair[1]] = 1
+            if not kept_all:
+                partial[pair] = keep
+    need = _all_gather_chunks(mine, group, world, layout).bool().cpu()
     return _Decisions(skipped, partial, need)
 
 
