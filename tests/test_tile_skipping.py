@@ -167,7 +167,10 @@ def test_chunked_skips_the_hand_counted_tiles_and_equals_attention_with_them_mas
     full = chunked_fpa_attention(q, k, v, phi, kind=kind, block_size=bs, segment_ids=seg)
     assert (out - full).abs().max() <= 2 * eps * v.abs().max()
     if n_hand == 0:
-        assert torch.equal(out, full)
+        # Nothing skipped: the same result up to float64 rounding. Not bit for bit: with documents the
+        # skipping path computes the kept tiles in other batch shapes, and BLAS may then sum a dot product
+        # in another order (seen at 1 ulp on one CPU, bit-equal on another).
+        assert (out - full).abs().max() <= 1e-14 * v.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["fpa", "fox"])
