@@ -365,7 +365,9 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "res.json"
     cmd = [sys.executable, "bench/kernel_resources.py", "--quick", "--json", str(out)]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    # The limit only catches a hung compiler: `make test` reruns this at idle CPU priority beside the suite,
+    # where a wall-clock limit also counts the time the suite starves it (600 s was once exceeded so).
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2400)
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
         pytest.skip("no ptxas bundled with this triton")
     assert r.returncode == 0, r.stderr[-3000:]
