@@ -313,19 +313,6 @@ def _tiles(impl: str, n: int, rows: int) -> list[tuple[int, int]]:
     return [(0, n)] if impl == "triton" else _row_tiles(n, rows)
 
 
-def _chunks(
-    travel: list[Tensor], c: int, n: int, dk: int
-) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
-    """K, V, phi per chunk as dense tensors (the blocks would copy a strided view on every tile)."""
-    kv = travel[0].split(c, dim=-2)
-    kk = [t[..., :dk].contiguous() for t in kv]
-    vv = [t[..., dk:].contiguous() for t in kv]
-    pk: list[Tensor | None] = (
-        [t.contiguous() for t in travel[1].split(c, dim=-1)] if len(travel) > 1 else [None] * n
-    )
-    return kk, vv, pk
-
-
 class _Field:
     """The field of this rank's chunks in global values, and the chunk minima of the whole sequence."""
 
@@ -365,10 +352,10 @@ def _tile_m(
 def _key_summaries(
     k: Tensor, fld: _Field, ids: tuple[int, ...], kind: AttentionKind, group: Any, world: int, layout: str
 ) -> Tensor:
-    """(N, 2 + N, B, H) float32, for every chunk b of the sequence: max |k| and min phi over b and, fpa
-    only, skipping.key_reach of b for each query chunk a (M strictly between them; read only for a > b).
-    The key side of the bound, computed by b's owner and all-gathered, so that every rank decides its
-    chunk pairs before any keys travel (and does not fetch the keys it skips)."""
+    """(N, 2 + N, B, H) float32 ((N, 2, B, H) for fox), for every chunk b of the sequence: max |k| and min
+    phi over b and, fpa only, skipping.key_reach of b for each query chunk a (M strictly between them;
+    read only for a > b). The key side of the bound, computed by b's owner and all-gathered, so that every
+    rank decides its chunk pairs before any keys travel (and does not fetch the keys it skips)."""
     n_chunks = num_chunks(world, layout)
     c = k.shape[-2] // len(ids)
     rows = []
@@ -380,8 +367,6 @@ def _key_summaries(
             s_min = chunked.suffix_min(pb)[0]
             between = (_between_min(fld.minima, b, a)[0] for a in range(n_chunks))
             parts += [skipping.key_reach(s_min, m, pb) for m in between]
-        else:
-            parts += [torch.zeros_like(parts[1])] * n_chunks
         rows.append(torch.stack(parts))
     return _all_gather_chunks(torch.stack(rows), group, world, layout)
 
@@ -477,17 +462,33 @@ def _post_keys(
 
 
 def _arrived(
-    got: list[Tensor], ibs: list[int], n: int, dk: int, has_field: bool
+    got: list[Tensor], ibs: Sequence[int], n: int, dk: int, has_field: bool
 ) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]]:
-    """K, V, phi per chunk index of the sender (None: not sent, this rank does not need it), dense."""
+    """K, V, phi per chunk index of the sender (None: not sent, this rank does not need it), dense (the
+    blocks would copy a strided view on every tile). got: K|V of each chunk in ibs, then phi of each."""
     kk: list[Tensor | None] = [None] * n
     vv: list[Tensor | None] = [None] * n
     pk: list[Tensor | None] = [None] * n
     for j, ib in enumerate(ibs):
         kk[ib], vv[ib] = got[j][..., :dk].contiguous(), got[j][..., dk:].contiguous()
         if has_field:
-            pk[ib] = got[len(ibs) + j]
+            pk[ib] = got[len(ibs) + j].contiguous()
     return kk, vv, pk
+
+
+def _key_steps(
+    ex: _Exchange | None, plan: _Plan, world: int, kv: list[Tensor], phi: list[Tensor] | None, dk: int
+) -> Iterator[tuple[int, list[Tensor | None], list[Tensor | None], list[Tensor | None]]]:
+    """(step, K, V, phi per chunk index of rank - step) for step 0 .. world-1 of a pass: this rank's own
+    chunks first, then what the plan brings, the next step's messages in flight during each step."""
+    n = len(kv)
+    pending = _post_keys(ex, plan, 1, kv, phi)  # in flight while the own chunks are computed
+    yield 0, *_arrived(kv + (phi or []), range(n), n, dk, phi is not None)
+    for step in range(1, world):
+        nxt = _post_keys(ex, plan, step + 1, kv, phi)
+        _Exchange.wait(pending[1])
+        yield step, *_arrived(pending[0], plan.recv[step], n, dk, phi is not None)
+        pending = nxt
 
 
 def _keep_only(x: Tensor | None, keep: Tensor) -> Tensor | None:
@@ -537,19 +538,10 @@ class _RingAttention(torch.autograd.Function):
         plan = _Plan(dec.need, rank, world, layout)
         ex = _Exchange(group) if world > 1 else None
         # K and V of a chunk travel as one tensor (one message), phi beside it in float32.
-        kv = torch.cat([k, v], dim=-1)
-        kv_own = list(kv.split(c, dim=-2))
+        kv_own = list(torch.cat([k, v], dim=-1).split(c, dim=-2))
         phi_own = list(phi.split(c, dim=-1)) if phi is not None else None
-        pending = _post_keys(ex, plan, 1, kv_own, phi_own)
-        for step in range(world):
+        for step, kk, vv, pk in _key_steps(ex, plan, world, kv_own, phi_own, dk):
             src = (rank - step) % world
-            if step == 0:
-                kk, vv, pk = _chunks([kv] + ([phi] if phi is not None else []), c, n_local, dk)
-            else:
-                nxt = _post_keys(ex, plan, step + 1, kv_own, phi_own)  # in flight during this step
-                _Exchange.wait(pending[1])
-                kk, vv, pk = _arrived(pending[0], plan.recv[step], n_local, dk, phi is not None)
-                pending = nxt
             for ia, a in enumerate(ids):
                 for ib, b in enumerate(chunk_ids(src, world, layout)):
                     if b > a or (ia, b) in dec.skipped:
@@ -624,15 +616,13 @@ class _RingAttention(torch.autograd.Function):
 
         ex = _Exchange(group) if world > 1 else None
         dk, dv = k.shape[-1], v.shape[-1]
-        kv = torch.cat([k, v], dim=-1)
-        kv_own = list(kv.split(c, dim=-2))
+        kv_own = list(torch.cat([k, v], dim=-1).split(c, dim=-2))
         phi_own = list(phi.split(c, dim=-1)) if has_field else None
         # dK | dV | dphi_K: this rank's own keys accumulate in `acc`. At step s the keys that came from
         # rank - s get a fresh float32 share each, sent back to their owner after the step's compute; the
         # owner adds the shares that come back to it in step order (deterministic).
         acc = k.new_zeros((*k.shape[:-1], dk + dv + int(has_field)), dtype=torch.float32)
         acc_own = list(acc.split(c, dim=-2))
-        pending = _post_keys(ex, plan, 1, kv_own, phi_own)
         shares_in = None
 
         def add_shares(posted: tuple[int, tuple[list[Tensor], list[Any]]] | None) -> None:
@@ -643,16 +633,10 @@ class _RingAttention(torch.autograd.Function):
             for ib, g in zip(plan.send[step], got):
                 acc_own[ib] += g
 
-        for step in range(world):
+        for step, kk, vv, pk in _key_steps(ex, plan, world, kv_own, phi_own, dk):
             src = (rank - step) % world
-            if step == 0:
-                kk, vv, pk = _chunks([kv] + ([phi] if has_field else []), c, n_local, dk)
-                shares: list[Tensor | None] = acc_own
-            else:
-                nxt = _post_keys(ex, plan, step + 1, kv_own, phi_own)
-                _Exchange.wait(pending[1])
-                kk, vv, pk = _arrived(pending[0], plan.recv[step], n_local, dk, has_field)
-                pending = nxt
+            shares: list[Tensor | None] = acc_own
+            if step > 0:
                 shares = [None] * n_local
                 for ib in plan.recv[step]:
                     shares[ib] = acc.new_zeros(acc_own[ib].shape)
