@@ -383,19 +383,14 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
         assert row["segmented"] or row["spill_bytes"] == 0, row
 
 
-def test_bench_skips_cleanly_without_cuda():
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_bench_skips_cleanly_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    # In process: a subprocess paid a cold torch import, which on a loaded 2-core machine outran its limit.
+    from bench import kernel
 
     if HAS_CUDA:
         pytest.skip("has CUDA: the bench would run for real")
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(
-        [sys.executable, str(root / "bench" / "kernel.py")], capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "no CUDA device: skipping" in r.stdout
+    assert kernel.main([]) == 0
+    assert "no CUDA device: skipping" in capsys.readouterr().out
 
 
 def test_tie_rule_matches_chunked_path():

@@ -53,7 +53,7 @@ def _dry_run(wheels: Path, out: Path | None, env_out: Path | None = None) -> sub
     cmd = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--wheels", str(wheels)]
     if out is not None:
         cmd += ["--out", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 
 
 def test_dry_run_with_every_wheel(tmp_path: Path, gc: ModuleType) -> None:
