@@ -63,7 +63,7 @@ from fpa_model.ops.fpa.naive import fpa_bias_naive
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step when evicting (evictions happen between steps)
 COMPACT_AT = 0.75  # compact once the most keys kept in a row are at most this share of the slots
-_SLOTS = ("k", "v", "kn", "budget", "phi", "r", "pos", "valid", "seg")  # per-slot tensors, slot dim 2
+_SLOTS = ("k", "v", "kn", "phi", "r", "pos", "valid", "seg")  # per-slot tensors, slot dim 2
 
 # An upper bound on sum_{n>=2} 1 / (n ln^2 n): the n = 2 term plus the integral of 1 / (x ln^2 x) from 2.
 _TAIL_SUM_BOUND = 1.0 / (2.0 * math.log(2.0) ** 2) + 1.0 / math.log(2.0)
@@ -109,6 +109,8 @@ class EvictionPolicy:
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"EvictionPolicy.every must be an integer >= 1; got {self.every!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"the eviction horizon max_tokens must be >= 1; got {self.max_tokens}")
 
 
 @dataclass
@@ -152,7 +154,6 @@ class LayerCache:
         self.phi: Tensor | None = None  # (B,H,C) fp32, field value at each cached key
         self.r: Tensor | None = None  # (B,H,C) fp32, running min of phi from the key to now
         self.kn: Tensor | None = None  # (B,H,C) fp32 norm of each cached key (the eviction threshold's)
-        self.budget: Tensor | None = None  # (B,H,C) fp32 -log c(p) of each cached key (sound bound only)
         self.pos: Tensor | None = None  # (B,H,C) int64 absolute positions
         self.valid: Tensor | None = None  # (B,H,C) bool; False: padding, or evicted and not yet compacted
         self.phi_last: Tensor | None = None  # (B,H) field at the newest token (walk/gate accumulate it)
@@ -197,8 +198,9 @@ class LayerCache:
         k = torch.full_like(self.k_max, self.k_bound) if self.k_bound is not None else s * self.k_max
         assert self.kn is not None  # cached keys are known: their own norm, no slack
         norms = scale * q[..., None] * (self.kn + k[..., None])
-        assert self.budget is not None
-        return norms + p.margin + self.budget
+        # -log c(p) from the cached positions at each round (every `every` tokens), not stored per token:
+        # a decode step then pays nothing for it, and a round's cost is O(slots) either way.
+        return norms + p.margin + key_budget_log(self.pos, p.max_tokens)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -312,8 +314,6 @@ class LayerCache:
         self._extend("kn", k_norms)
         pos = torch.arange(self.seen, self.seen + t, device=k.device).expand(b, h, t)
         self._extend("pos", pos)
-        if self.policy.enabled and self.policy.delta is None and phi is not None:
-            self._extend("budget", key_budget_log(pos, self.policy.max_tokens))  # once per key
         self._extend("valid", torch.ones(b, h, t, dtype=torch.bool, device=k.device))
         self.seen += t
 

@@ -121,6 +121,8 @@ def test_eviction_never_drops_a_key_above_threshold(kind: str) -> None:
         assert all(every16.kept_positions(0, hh) == lc.kept_positions(0, hh) for hh in range(h))
     with pytest.raises(ValueError, match="every must be an integer >= 1; got 0"):
         EvictionPolicy(every=0)
+    with pytest.raises(ValueError, match="horizon max_tokens must be >= 1; got 0"):
+        EvictionPolicy(enabled=True, max_tokens=0)  # at construction, not at the first eviction round
 
 
 def test_fpa_keeps_old_valley_key_that_fox_would_drop() -> None:
